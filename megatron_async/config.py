@@ -1,0 +1,380 @@
+"""Typed run configuration: YAML files plus dotted command-line overrides, validated up front.
+
+    cfg = load_config("configs/cpu_tiny.yaml", ["trainer.lr=1e-6", "rollout.max_lag=0"])
+
+Every key is a field of a dataclass below, with its help text as the field's docstring-comment.
+Loading checks, before any process starts: unknown keys, wrong types, missing files, sizes that
+cannot work together (TP must divide attention heads and query groups, the world size must be a
+multiple of TP x PP, lag >= 0, K >= 2 for pairwise/leave-one-out losses). Each failure is one
+`ConfigError` naming the key, the value and where it came from (file or command line).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+ALGORITHMS = ("online_dpo", "ppo", "rloo", "proximal_rloo", "best_of_k_sft")
+
+
+_FLOAT_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key and the value."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"  # run name; outputs go to <out_dir>/<name>
+    out_dir: str = "runs"  # parent folder of run directories
+    seed: int = 1234  # seeds data order, sampling and initialisation
+    resume: bool = False  # continue from <run dir>/checkpoints/latest
+
+
+@dataclass
+class ModelConfig:
+    # HF checkpoint directory (config.json + safetensors + tokenizer), or "tiny" to build a tiny
+    # LLaMA and BPE tokenizer in code (the CPU default; see megatron_async/models/tiny.py).
+    hf_path: str = "tiny"
+    tiny_hidden_size: int = 128  # tiny model only
+    tiny_layers: int = 4  # tiny model only
+    tiny_heads: int = 4  # tiny model only
+    tiny_kv_heads: int = 2  # tiny model only
+    dtype: Literal["float32", "bfloat16"] = "float32"  # learner and replica dtype (bf16 on GPU)
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1  # learner tensor-parallel size
+    pp: int = 1  # learner pipeline-parallel size
+    # world size (learner ranks); 0 = take WORLD_SIZE from torchrun. DP = world / (tp * pp).
+    world_size: int = 0
+
+
+@dataclass
+class DataConfig:
+    # "synthetic" (procedural GSM8k-style arithmetic), a .jsonl/.parquet path, or a datasets name
+    train: str = "synthetic"
+    eval: str = "synthetic"  # held-out problems, same forms as `train`
+    eval_size: int = 64  # problems evaluated for pass@1 (0 = all)
+    prompt_template: str = "Question: {question}\nAnswer:"
+    max_prompt_tokens: int = 256  # longer prompts are an error (or dropped, see on_long_prompt)
+    on_long_prompt: Literal["error", "drop"] = "error"
+
+
+@dataclass
+class RolloutConfig:
+    num_replicas: int = 1  # vLLM engines (each its own process)
+    replica_tp: int = 1  # vLLM tensor parallel size per replica (GPU)
+    prompts_per_step: int = 16  # prompts generated per learner step (the paper's batch)
+    k: int = 4  # completions per prompt (K); DPO trains best vs worst
+    max_lag: int = 1  # bound on policy staleness in learner steps; 0 = synchronous baseline
+    temperature: float = 0.7
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    stop: list = field(default_factory=list)  # stop strings
+    kv_cache_gib: float = 1.0  # vLLM KV cache per replica (required on CPU)
+    host: str = "127.0.0.1"  # replica control endpoints bind here
+    token: str = ""  # auth token; generated when empty; required if host is not loopback
+    max_replica_failures: int = 3  # restarts before the run stops with an error
+    sync_bucket_mb: int = 64  # weight sync bucket cap (MB)
+    sync_timeout_s: float = 120.0  # a weight sync slower than this fails loudly
+    generate_timeout_s: float = 600.0  # a generation chunk slower than this fails the replica
+
+
+@dataclass
+class TrainerConfig:
+    algorithm: Literal["online_dpo", "ppo", "rloo", "proximal_rloo", "best_of_k_sft"] = "online_dpo"
+    steps: int = 20  # learner steps (one generation batch each)
+    lr: float = 5e-5
+    min_lr: float = 0.0
+    warmup_steps: int = 2
+    lr_decay: Literal["constant", "linear", "cosine"] = "linear"
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    minibatches: int = 1  # N: minibatches (optimizer steps) per generation batch
+    updates_per_batch: int = 1  # T: passes over each batch
+    micro_batch_size: int = 8  # sequences per forward/backward microbatch
+    beta: float = 0.1  # DPO beta / KL coefficient
+    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    clip_eps: float = 0.2  # PPO / Proximal RLOO ratio clip
+    vf_coef: float = 0.1  # PPO value loss weight
+    gamma: float = 1.0  # PPO discount
+    lam: float = 0.95  # PPO GAE lambda
+    checkpoint_every: int = 10  # steps between checkpoints (0 = only at the end)
+    eval_every: int = 0  # steps between pass@1 evaluations (0 = before and after only)
+    max_bad_steps: int = 3  # consecutive NaN/inf steps before the run stops
+
+
+@dataclass
+class SFTConfig:
+    steps: int = 0  # supervised warm-up steps on the train split before RL (0 = none)
+    lr: float = 1e-3
+    batch_size: int = 32
+
+
+@dataclass
+class RewardConfig:
+    kind: Literal["gsm8k_exact_match", "reward_model"] = "gsm8k_exact_match"
+    model_path: str = ""  # HF sequence-classification checkpoint (kind=reward_model)
+    timeout_s: float = 30.0  # per-sample reward timeout
+    on_error: Literal["drop", "stop"] = "drop"  # a failed sample is dropped (counted) or stops the run
+
+
+@dataclass
+class TrackingConfig:
+    # MLflow tracking URI; empty = embedded SQLite store at <run dir>/mlflow.db
+    uri: str = ""
+    experiment: str = "megatron_async"
+    enabled: bool = True
+    flush_timeout_s: float = 5.0  # per attempt to deliver buffered metrics to the server
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.out_dir) / self.run.name
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the YAML file at `path`, then `key.sub=value` overrides; then validate."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(data).__name__}")
+        _apply_mapping(cfg, data, prefix="", source=str(p))
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r}: expected key.sub=value")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(cfg, key.strip(), value, source="command line")
+    validate(cfg)
+    return cfg
+
+
+def _apply_mapping(obj: Any, data: dict, prefix: str, source: str) -> None:
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and dataclasses.is_dataclass(_field_value(obj, str(key), dotted, source)):
+            _apply_mapping(getattr(obj, key), value, prefix=f"{dotted}.", source=source)
+        else:
+            _set_dotted(obj, str(key), value, source=source, full_key=dotted)
+
+
+def _field_value(obj: Any, key: str, dotted: str, source: str) -> Any:
+    names = [f.name for f in dataclasses.fields(obj)]
+    if key not in names:
+        raise ConfigError(f"{source}: unknown key '{dotted}' (known here: {', '.join(names)})")
+    return getattr(obj, key)
+
+
+def _set_dotted(cfg: Any, key: str, value: Any, source: str, full_key: str | None = None) -> None:
+    full_key = full_key or key
+    *parents, leaf = key.split(".")
+    obj, walked = cfg, []
+    for part in parents:
+        walked.append(part)
+        obj = _field_value(obj, part, ".".join(walked), source)
+        if not dataclasses.is_dataclass(obj):
+            raise ConfigError(f"{source}: '{'.'.join(walked)}' is a value, not a section (key '{full_key}')")
+    current = _field_value(obj, leaf, full_key, source)
+    if dataclasses.is_dataclass(current):
+        raise ConfigError(f"{source}: '{full_key}' is a section; set one of its keys, e.g. {full_key}.<key>=...")
+    hint = typing.get_type_hints(type(obj))[leaf]
+    setattr(obj, leaf, _coerce(value, hint, full_key, source))
+
+
+def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
+    """Check `value` against the field's type; ints widen to float, nothing else is guessed."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    bad = ConfigError(f"{source}: key '{key}': expected {_type_name(hint)}, got {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{source}: key '{key}': {value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key, source)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if hint is float:
+        if isinstance(value, str) and _FLOAT_LITERAL.fullmatch(value.strip()):
+            return float(value)  # YAML 1.1 reads `1e-6` (no dot) as a string
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise bad
+        return value
+    if hint is list or origin is list:
+        if not isinstance(value, list):
+            raise bad
+        return value
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise bad
+        return value
+    raise bad
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(hint)))
+    return getattr(hint, "__name__", str(hint))
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _require(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"key '{key}' = {value!r}: {why}")
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Check values that each type allows but that cannot run together. Raises ConfigError."""
+    r, t, par = cfg.rollout, cfg.trainer, cfg.parallel
+    for key, value in [("parallel.tp", par.tp), ("parallel.pp", par.pp), ("rollout.num_replicas", r.num_replicas),
+                       ("rollout.replica_tp", r.replica_tp), ("rollout.prompts_per_step", r.prompts_per_step),
+                       ("rollout.max_new_tokens", r.max_new_tokens), ("trainer.minibatches", t.minibatches),
+                       ("trainer.updates_per_batch", t.updates_per_batch), ("trainer.micro_batch_size", t.micro_batch_size),
+                       ("rollout.k", r.k), ("data.max_prompt_tokens", cfg.data.max_prompt_tokens)]:
+        _require(value >= 1, key, value, "must be >= 1")
+    for key, value in [("trainer.steps", t.steps), ("sft.steps", cfg.sft.steps), ("trainer.warmup_steps", t.warmup_steps),
+                       ("parallel.world_size", par.world_size), ("data.eval_size", cfg.data.eval_size)]:
+        _require(value >= 0, key, value, "must be >= 0")
+    _require(r.max_lag >= 0, "rollout.max_lag", r.max_lag, "lag must be >= 0 (0 = synchronous)")
+    _require(r.max_lag <= 64, "rollout.max_lag", r.max_lag, "lag above 64 steps is surely a mistake")
+    if t.algorithm in ("online_dpo", "rloo", "proximal_rloo", "best_of_k_sft"):
+        _require(r.k >= 2, "rollout.k", r.k, f"{t.algorithm} compares completions of a prompt: needs K >= 2")
+    _require(t.lr > 0, "trainer.lr", t.lr, "must be > 0")
+    _require(0 <= t.min_lr <= t.lr, "trainer.min_lr", t.min_lr, "must be in [0, trainer.lr]")
+    _require(t.grad_clip >= 0, "trainer.grad_clip", t.grad_clip, "must be >= 0 (0 = no clipping)")
+    _require(0 < r.temperature <= 10, "rollout.temperature", r.temperature, "sampling needs 0 < temperature <= 10")
+    _require(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
+    _require(r.kv_cache_gib > 0, "rollout.kv_cache_gib", r.kv_cache_gib, "vLLM on CPU needs a KV cache size > 0")
+    _require(r.sync_bucket_mb >= 1, "rollout.sync_bucket_mb", r.sync_bucket_mb, "must be >= 1")
+    _require(r.prompts_per_step % t.minibatches == 0, "trainer.minibatches", t.minibatches,
+             f"must divide rollout.prompts_per_step ({r.prompts_per_step})")
+    if r.host not in ("127.0.0.1", "localhost", "::1"):
+        _require(bool(r.token), "rollout.token", "", f"rollout.host={r.host!r} is not loopback: set a token")
+    if cfg.reward.kind == "reward_model":
+        _require(bool(cfg.reward.model_path), "reward.model_path", "", "reward.kind=reward_model needs a checkpoint")
+        _require_dir(cfg.reward.model_path, "reward.model_path")
+    for key in ("data.train", "data.eval"):
+        _require_data_source(getattr(cfg.data, key.split(".")[1]), key)
+    if cfg.model.hf_path != "tiny":
+        _require_dir(cfg.model.hf_path, "model.hf_path")
+        heads, groups = _heads_of(Path(cfg.model.hf_path) / "config.json")
+    else:
+        heads, groups = cfg.model.tiny_heads, cfg.model.tiny_kv_heads
+        _require(heads % groups == 0, "model.tiny_kv_heads", groups, f"must divide model.tiny_heads ({heads})")
+    _require(heads % par.tp == 0, "parallel.tp", par.tp, f"must divide the number of attention heads ({heads})")
+    _require(groups % par.tp == 0, "parallel.tp", par.tp, f"must divide the number of query groups / KV heads ({groups})")
+    world = world_size if world_size is not None else par.world_size
+    if world:
+        _require(world % (par.tp * par.pp) == 0, "parallel.world_size", world,
+                 f"must be a multiple of tp x pp = {par.tp} x {par.pp} = {par.tp * par.pp}")
+
+
+def _require_dir(path: str, key: str) -> None:
+    _require(Path(path).is_dir(), key, path, "directory not found")
+
+
+def _require_data_source(value: str, key: str) -> None:
+    # a `datasets` name such as "openai/gsm8k" is not checked here (it is resolved when loaded)
+    looks_like_file = value.endswith((".jsonl", ".json", ".parquet")) or value.startswith((".", "/", "~"))
+    if value != "synthetic" and looks_like_file:
+        _require(Path(value).is_file(), key, value, "file not found")
+
+
+def _heads_of(config_json: Path) -> tuple[int, int]:
+    try:
+        hf = json.loads(config_json.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{config_json}: cannot read the model config: {e}") from None
+    if "num_attention_heads" not in hf:
+        raise ConfigError(f"{config_json}: missing key 'num_attention_heads'")
+    heads = hf["num_attention_heads"]
+    return heads, hf.get("num_key_value_heads") or heads
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+SECRET_KEYS = frozenset({"token", "password", "secret", "api_key"})  # leaf names never written out
+
+
+def flatten(cfg: Config, redact: bool = True) -> dict[str, Any]:
+    """{'trainer.lr': 5e-05, ...}; secrets (tokens) are replaced by '***' unless redact=False."""
+    flat: dict[str, Any] = {}
+
+    def walk(d: dict, prefix: str) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                flat[f"{prefix}{k}"] = "***" if redact and v and k in SECRET_KEYS else v
+
+    walk(to_dict(cfg), "")
+    return flat
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> Path:
+    """Write the resolved config as YAML (secrets redacted), atomically."""
+    from megatron_async.io_utils import atomic_write_text
+
+    nested: dict = {}
+    for key, value in flatten(cfg).items():
+        section, leaf = key.split(".", 1)
+        nested.setdefault(section, {})[leaf] = value
+    return atomic_write_text(path, yaml.safe_dump(nested, sort_keys=False))
