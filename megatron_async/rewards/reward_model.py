@@ -1,0 +1,139 @@
+"""A learned reward model (HF sequence-classification checkpoint) scored in its own process.
+
+Why a process: the reward model's forward pass must not hold the GIL of the process that drives
+generation and training (the paper's own overhead came from sharing one interpreter), and a stuck
+or crashed scorer must be killable. The worker loads the checkpoint once and answers batched
+requests over two multiprocessing queues.
+
+    with RewardModelWorker("runs/rm", batch_size=16) as rm:
+        report = rm.score(prompts, completions)      # ScoreReport, see scoring.py
+
+The text scored is `prompt + completion` (format prompts for the RM, e.g. with a chat template,
+before calling). Sequences longer than `max_length` tokens are cut on the LEFT, keeping the end of
+the completion the reward is about. The score is logit 0 at the last non-pad token (the model must
+have num_labels == 1 and a pad token distinct from the tokens it scores).
+
+Failures follow scoring.py: a micro-batch whose forward pass raises marks its samples as errors,
+a request that outlives `timeout_s` marks its unanswered samples as timed out and the worker is
+killed (it is restarted on the next call), a dead worker marks them as errors. Nothing is ever
+scored 0 in their place. Weights are loaded with safetensors only (`use_safetensors=True`).
+"""
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import queue
+import time
+import traceback
+from typing import Sequence
+
+from megatron_async.rewards.scoring import SampleScore, ScoreReport
+
+
+def _worker_main(path: str, dtype: str, num_threads: int | None, batch_size: int, max_length: int, requests, results):
+    """Worker process: load once, then answer [texts] -> [(reward | None, error | None)] per text."""
+    try:
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        tok = AutoTokenizer.from_pretrained(path)
+        tok.padding_side, tok.truncation_side = "right", "left"
+        model = AutoModelForSequenceClassification.from_pretrained(path, use_safetensors=True, dtype=getattr(torch, dtype))
+        if model.config.num_labels != 1:
+            raise ValueError(f"{path}: reward model must have num_labels == 1, has {model.config.num_labels}")
+        if tok.pad_token_id is None or model.config.pad_token_id is None:
+            raise ValueError(f"{path}: reward model needs a pad token (tokenizer and config.pad_token_id)")
+        model.eval()
+    except Exception:
+        results.put(("error", traceback.format_exc()))
+        return
+    results.put(("ready", None))
+
+    while (texts := requests.get()) is not None:
+        out: list[tuple[float | None, str | None]] = []
+        for start in range(0, len(texts), batch_size):
+            chunk = texts[start : start + batch_size]
+            try:
+                enc = tok(chunk, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+                with torch.no_grad():
+                    logits = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
+                for value in logits[:, 0].float().tolist():
+                    out.append((value, None) if math.isfinite(value) else (None, f"non-finite score {value}"))
+            except Exception as e:
+                out.extend((None, f"{type(e).__name__}: {e}") for _ in chunk)
+        results.put(("ok", out))
+
+
+class RewardModelWorker:
+    """Owns one reward-model process; `score` is blocking and batched (see module docstring)."""
+
+    def __init__(
+        self,
+        path: str,
+        batch_size: int = 16,
+        max_length: int = 1024,
+        dtype: str = "float32",
+        num_threads: int | None = None,
+        timeout_s: float = 120.0,
+        start_timeout_s: float = 300.0,
+    ):
+        self.args = (str(path), dtype, num_threads, batch_size, max_length)
+        self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
+        self._ctx = mp.get_context("spawn")  # never fork a process that may hold threads or CUDA
+        self._proc = None
+
+    def start(self) -> None:
+        if self._proc is not None:
+            return
+        self._requests, self._results = self._ctx.Queue(), self._ctx.Queue()
+        self._proc = self._ctx.Process(target=_worker_main, args=(*self.args, self._requests, self._results), daemon=True)
+        self._proc.start()
+        status, payload = self._wait(self.start_timeout_s, "start")
+        if status != "ready":
+            self.close()
+            raise RuntimeError(f"reward model worker for {self.args[0]} failed to start: {payload}")
+
+    def score(self, prompts: Sequence[str], completions: Sequence[str], on_error: str = "drop") -> ScoreReport:
+        if len(prompts) != len(completions):
+            raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+        self.start()
+        self._requests.put([p + c for p, c in zip(prompts, completions)])
+        status, payload = self._wait(self.timeout_s, "score")
+        if status == "ok":
+            scores = [SampleScore(i, reward=r, error=e) for i, (r, e) in enumerate(payload)]
+        else:  # timeout or death: kill, so the next call starts clean (no stale answer in a queue)
+            self.close(graceful=False)
+            scores = [SampleScore(i, error=payload, timed_out=status == "timeout") for i in range(len(prompts))]
+        return ScoreReport(scores).enforce(on_error, what=list(completions))
+
+    def _wait(self, timeout_s: float, what: str) -> tuple[str, object]:
+        """Next message from the worker, or ("timeout" | "dead", reason). Polls so death is seen early."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                return self._results.get(timeout=min(1.0, left))
+            except queue.Empty:
+                if not self._proc.is_alive():
+                    return "dead", f"reward model worker died during {what} (exit code {self._proc.exitcode})"
+        return "timeout", f"reward model worker gave no answer to {what} within {timeout_s:g} s"
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop the worker: ask it to exit (graceful) and kill it if it has not after 5 s."""
+        if self._proc is None:
+            return
+        if graceful and self._proc.is_alive():
+            self._requests.put(None)
+            self._proc.join(5.0)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        self._proc = None
+
+    def __enter__(self) -> "RewardModelWorker":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
