@@ -1,0 +1,177 @@
+"""GSM8k-style problems: the `Problem` record, loaders, the prompt template and tokenization.
+
+Sources (`load_problems`): "synthetic" (see synthetic.py), a .jsonl file (one JSON object per
+line), a .json file (a JSON array of objects), a .parquet file, or a HuggingFace `datasets` name,
+optionally with a config after a colon ("openai/gsm8k:main"; needs the hub or a local cache).
+Every record needs a question and an answer field (GSM8k: "question", "answer"); the answer is the
+full worked solution ending in "#### <number>" or just the number. The final number is extracted
+once, at load time, so a reference the reward cannot read fails here, naming the file and line,
+instead of mid-training.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from megatron_async.rewards.gsm8k import extract_answer
+
+DEFAULT_TEMPLATE = "Question: {question}\nAnswer:"
+ON_LONG_PROMPT = ("error", "drop")
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file (or dataset) and the line, row or field."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    id: str  # stable across runs: "<file stem>:<line>", the record's own id, or a synthetic id
+    question: str
+    solution: str  # the reference answer as given (worked solution or bare number)
+    answer: str  # its final number, normalised ("1234"): what gsm8k_reward compares against
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    problem: Problem
+    text: str  # the templated prompt
+    ids: list[int]
+
+
+def _to_problem(row: Any, where: str, default_id: str, question_key: str, answer_key: str, id_key: str | None) -> Problem:
+    """One raw record -> Problem; `where` ("train.jsonl line 7") goes into every error."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected an object with {question_key!r} and {answer_key!r}, got {type(row).__name__}")
+    for key in (question_key, answer_key):
+        if key not in row:
+            raise DataError(f"{where}: missing field {key!r} (has: {sorted(row)})")
+    question, solution = row[question_key], row[answer_key]
+    if not isinstance(question, str) or not question.strip():
+        raise DataError(f"{where}: field {question_key!r} must be a non-empty string, got {question!r:.80}")
+    if isinstance(solution, (int, float)) and not isinstance(solution, bool):
+        solution = str(solution)
+    if not isinstance(solution, str):
+        raise DataError(f"{where}: field {answer_key!r} must be a string or number, got {type(solution).__name__}")
+    answer = extract_answer(solution)
+    if answer is None:
+        raise DataError(f"{where}: field {answer_key!r} has no final number: {solution[-80:]!r}")
+    pid = str(row[id_key]) if id_key is not None and id_key in row else default_id
+    return Problem(id=pid, question=question, solution=solution, answer=answer)
+
+
+def _records(path: Path) -> Iterable[tuple[str, str, Any]]:
+    """(where, default id, raw record) for each record of a jsonl / json / parquet file."""
+    if path.suffix == ".jsonl":
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue  # a blank line (e.g. trailing) is not a record
+                where = f"{path} line {lineno}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
+                yield where, f"{path.stem}:{lineno}", row
+    elif path.suffix == ".json":
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {e.lineno}: malformed JSON: {e.msg}") from None
+        if not isinstance(rows, list):
+            raise DataError(f"{path}: expected a JSON array of records, got {type(rows).__name__}")
+        for i, row in enumerate(rows):
+            yield f"{path} item {i}", f"{path.stem}:{i}", row
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for i, row in enumerate(pq.read_table(path).to_pylist()):
+            yield f"{path} row {i}", f"{path.stem}:{i}", row
+    else:
+        raise DataError(f"{path}: unknown file type {path.suffix!r} (expected .jsonl, .json or .parquet)")
+
+
+def load_file(path: str | Path, question_key: str = "question", answer_key: str = "answer", id_key: str | None = None) -> list[Problem]:
+    """Problems from a .jsonl / .json / .parquet file; errors name the file and line (or row)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: file not found")
+    problems = [_to_problem(row, where, pid, question_key, answer_key, id_key) for where, pid, row in _records(path)]
+    if not problems:
+        raise DataError(f"{path}: no records (empty dataset)")
+    return problems
+
+
+def load_hf_dataset(name: str, split: str, question_key: str = "question", answer_key: str = "answer", id_key: str | None = None) -> list[Problem]:
+    """Problems from a `datasets` name ("openai/gsm8k" or "openai/gsm8k:main") and split."""
+    import datasets
+
+    path, _, config = name.partition(":")
+    where = f"dataset {name}[{split}]"
+    try:
+        ds = datasets.load_dataset(path, config or None, split=split)
+    except Exception as e:  # offline, unknown name, unknown split: say which source failed
+        raise DataError(f"{where}: cannot load: {type(e).__name__}: {e}") from e
+    problems = [
+        _to_problem(row, f"{where} row {i}", f"{path.rsplit('/', 1)[-1]}-{split}:{i}", question_key, answer_key, id_key)
+        for i, row in enumerate(ds)
+    ]
+    if not problems:
+        raise DataError(f"{where}: no records (empty dataset)")
+    return problems
+
+
+def load_problems(source: str, split: str = "train", synthetic_size: int = 1000, seed: int = 0) -> list[Problem]:
+    """Dispatch on the source string of `DataConfig.train` / `DataConfig.eval` (module docstring).
+
+    `split` selects the synthetic split and the `datasets` split; files are taken whole.
+    """
+    if source == "synthetic":
+        from megatron_async.data.synthetic import synthetic_problems
+
+        return synthetic_problems(synthetic_size, seed=seed, split=split)
+    if source.endswith((".jsonl", ".json", ".parquet")) or Path(source).is_file():
+        return load_file(source)
+    return load_hf_dataset(source, split)
+
+
+def format_prompt(problem: Problem, template: str = DEFAULT_TEMPLATE) -> str:
+    """The template with {question} filled in (str.format: other braces must be doubled)."""
+    try:
+        return template.format(question=problem.question)
+    except (KeyError, IndexError) as e:
+        raise DataError(f"prompt template {template!r}: unknown placeholder {e}; only {{question}} is filled") from None
+
+
+def tokenize_prompts(
+    problems: Sequence[Problem],
+    tokenizer,
+    max_prompt_tokens: int,
+    template: str = DEFAULT_TEMPLATE,
+    on_long_prompt: str = "error",
+) -> tuple[list[TokenizedPrompt], int]:
+    """Template + tokenize every problem -> (prompts, number dropped for length).
+
+    Special tokens are added as the tokenizer does by default (BOS for LLaMA tokenizers), the
+    same ids vLLM would produce from the text. A prompt over `max_prompt_tokens` raises (naming the
+    problem and its length) under on_long_prompt="error", or is dropped and counted under "drop".
+    """
+    if on_long_prompt not in ON_LONG_PROMPT:
+        raise ValueError(f"on_long_prompt must be one of {ON_LONG_PROMPT}, got {on_long_prompt!r}")
+    out, dropped = [], 0
+    for problem in problems:
+        text = format_prompt(problem, template)
+        ids = list(tokenizer(text)["input_ids"])
+        if len(ids) > max_prompt_tokens:
+            if on_long_prompt == "error":
+                raise DataError(
+                    f"problem {problem.id}: prompt is {len(ids)} tokens, over data.max_prompt_tokens={max_prompt_tokens} "
+                    f"(raise it, or set data.on_long_prompt=drop)"
+                )
+            dropped += 1
+            continue
+        out.append(TokenizedPrompt(problem, text, ids))
+    if not out:
+        raise DataError(f"all {len(problems)} prompts are over data.max_prompt_tokens={max_prompt_tokens}")
+    return out, dropped

@@ -1,0 +1,219 @@
+"""Loaders (good and bad input), the real GSM8k files, synthetic problems, the prompt iterator,
+and prompt tokenization."""
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_async.data import (
+    DataError,
+    Problem,
+    PromptIterator,
+    format_prompt,
+    load_file,
+    load_hf_dataset,
+    load_problems,
+    synthetic_problems,
+    tokenize_prompts,
+)
+from megatron_async.data.synthetic import split_of
+from megatron_async.rewards import gsm8k_reward
+
+GSM8K = Path("/work/shared/data/gsm8k")
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_jsonl_loader(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"question": "1+1?", "answer": "1+1=2\n#### 2"}, "", {"question": "Big?", "answer": 1000}])
+    problems = load_file(p)
+    assert problems == [
+        Problem(id="d:1", question="1+1?", solution="1+1=2\n#### 2", answer="2"),
+        Problem(id="d:3", question="Big?", solution="1000", answer="1000"),  # line numbers, blank skipped
+    ]
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"question": "q", "answer": "#### 1"', r"line 2: malformed JSON"),
+        ('{"answer": "#### 1"}', r"line 2: missing field 'question'"),
+        ('{"question": "q"}', r"line 2: missing field 'answer'"),
+        ('{"question": "", "answer": "#### 1"}', r"line 2: field 'question' must be a non-empty string"),
+        ('{"question": "q", "answer": "no number"}', r"line 2: field 'answer' has no final number"),
+        ('{"question": "q", "answer": [1]}', r"line 2: field 'answer' must be a string or number"),
+        ('[1, 2]', r"line 2: expected an object"),
+    ],
+)
+def test_jsonl_errors_name_file_and_line(tmp_path, line, message):
+    p = write_jsonl(tmp_path / "bad.jsonl", ['{"question": "q", "answer": "#### 1"}', line])
+    with pytest.raises(DataError, match=message) as e:
+        load_file(p)
+    assert str(p) in str(e.value)
+
+
+def test_empty_and_missing_files(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DataError, match=r"empty\.jsonl: no records"):
+        load_file(tmp_path / "empty.jsonl")
+    with pytest.raises(DataError, match="file not found"):
+        load_file(tmp_path / "nope.jsonl")
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unknown file type"):
+        load_file(tmp_path / "x.csv")
+
+
+def test_json_array_loader(tmp_path):
+    p = tmp_path / "d.json"
+    p.write_text(json.dumps([{"question": "q", "answer": "#### 3"}, {"question": "q2"}]))
+    with pytest.raises(DataError, match=r"d\.json item 1: missing field 'answer'"):
+        load_file(p)
+
+
+def test_parquet_loader_and_row_errors(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"question": ["a?", "b?"], "answer": ["#### 4", "#### 5"], "uid": ["x", "y"]}), p)
+    problems = load_file(p, id_key="uid")
+    assert [(q.id, q.answer) for q in problems] == [("x", "4"), ("y", "5")]
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"question": ["a?", "b?"], "answer": ["#### 4", "none"]}), bad)
+    with pytest.raises(DataError, match=r"bad\.parquet row 1: field 'answer' has no final number"):
+        load_file(bad)
+
+
+def test_datasets_source_names_the_dataset_when_unavailable(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(DataError, match=r"dataset no-such-org/no-such-data:main\[train\]: cannot load"):
+        load_hf_dataset("no-such-org/no-such-data:main", "train")
+
+
+def test_datasets_path_with_a_local_directory(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    (tmp_path / "local").mkdir()
+    write_jsonl(tmp_path / "local" / "train.jsonl", [{"question": "q", "answer": "#### 7"}, {"question": "r", "answer": "#### 8"}])
+    problems = load_problems(str(tmp_path / "local"), split="train")
+    assert [(p.id, p.answer) for p in problems] == [("local-train:0", "7"), ("local-train:1", "8")]
+
+
+def test_load_problems_dispatch(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "#### 7"}])
+    assert load_problems(str(p))[0].answer == "7"
+    assert load_problems("synthetic", split="test", synthetic_size=5, seed=3) == synthetic_problems(5, seed=3, split="test")
+
+
+@pytest.mark.skipif(not (GSM8K / "train.jsonl").is_file(), reason=f"real GSM8k not present in {GSM8K}")
+@pytest.mark.parametrize("split, size", [("train", 7473), ("test", 1319)])
+def test_real_gsm8k_files_load_and_score_their_own_answers(split, size):
+    problems = load_file(GSM8K / f"{split}.jsonl")
+    assert len(problems) == size
+    assert len({p.id for p in problems}) == size
+    # every reference scores 1.0 against itself and 0.0 against a different answer
+    for p in problems[:: max(1, size // 200)]:
+        assert gsm8k_reward("", p.solution, p.solution) == 1.0
+        assert gsm8k_reward("", f"#### {p.answer}1", p.solution) == 0.0
+    if split == "train":
+        assert problems[0].answer == "72" and problems[0].id == "train:1"
+
+
+def test_synthetic_is_deterministic_and_splits_are_disjoint():
+    a, b = synthetic_problems(300, seed=1), synthetic_problems(300, seed=1)
+    assert a == b
+    assert a != synthetic_problems(300, seed=2)
+    train = synthetic_problems(2000, seed=1, split="train")
+    test = synthetic_problems(400, seed=9, split="test")
+    assert not {p.question for p in train} & {p.question for p in test}
+    assert len({p.question for p in train}) == 2000  # distinct within a split
+    assert all(split_of(*key) == "test" for key in _keys(test))
+    assert all(split_of(*key) == "train" for key in _keys(train))
+
+
+def _keys(problems):
+    """Recover (kind, numbers) from the solution's calculator annotations for the split check."""
+    import re
+
+    kinds = {("+",): "add", ("-",): "sub", ("*",): "mul", ("/",): "div", ("+", "-"): "add_sub", ("*", "+"): "mul_add"}
+    for p in problems:
+        calcs = re.findall(r"<<(\d+)([-+*/])(\d+)=(\d+)>>", p.solution)
+        ops = tuple(op for _, op, _, _ in calcs)
+        numbers = (int(calcs[0][0]), int(calcs[0][2])) + tuple(int(c[2]) for c in calcs[1:])
+        yield kinds[ops], numbers
+
+
+def test_synthetic_solutions_are_gsm8k_format_and_correct():
+    for p in synthetic_problems(200, seed=5) + synthetic_problems(50, seed=5, split="test"):
+        assert p.solution.endswith(f"#### {p.answer}")
+        assert int(p.answer) >= 0
+        assert gsm8k_reward("", p.solution, p.solution) == 1.0
+    with pytest.raises(ValueError, match="split"):
+        synthetic_problems(3, split="eval")
+
+
+def test_iterator_epochs_are_permutations_and_resume_exactly():
+    items = list(range(10))
+    it = PromptIterator(items, seed=7)
+    first = it.take(10)
+    second = it.take(10)
+    assert sorted(first) == sorted(second) == items and first != second  # reshuffled per epoch
+    it.take(3)
+    state = it.state_dict()
+    expected = it.take(12)
+
+    resumed = PromptIterator(items, seed=7)
+    resumed.load_state_dict(json.loads(json.dumps(state)))  # survives a JSON checkpoint
+    assert resumed.take(12) == expected
+    uninterrupted = PromptIterator(items, seed=7).take(35)
+    assert uninterrupted[:20] == first + second and uninterrupted[23:] == expected
+
+    at_boundary = PromptIterator(items, seed=7)
+    at_boundary.take(20)
+    again = PromptIterator(items, seed=7)
+    again.load_state_dict(at_boundary.state_dict())  # saved at position == len: next epoch follows
+    assert again.take(10) == uninterrupted[20:30]
+
+
+def test_iterator_unshuffled_and_state_validation():
+    it = PromptIterator(["a", "b", "c"], seed=0, shuffle=False)
+    assert it.take(5) == ["a", "b", "c", "a", "b"]
+    state = it.state_dict()
+    with pytest.raises(ValueError, match="num_items=3 was saved, but this run has num_items=4"):
+        PromptIterator(["a", "b", "c", "d"], seed=0, shuffle=False).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed=0 was saved"):
+        PromptIterator(["a", "b", "c"], seed=1, shuffle=False).load_state_dict(state)
+    with pytest.raises(ValueError, match="missing key 'seed'"):
+        PromptIterator(["a", "b", "c"], seed=0).load_state_dict({"epoch": 0, "position": 0})
+    with pytest.raises(ValueError, match="at least one item"):
+        PromptIterator([], seed=0)
+
+
+class CharTokenizer:
+    """One id per character, with a BOS: enough to test the length policy without a vocab."""
+
+    def __call__(self, text):
+        return {"input_ids": [1] + [ord(c) for c in text]}
+
+
+def test_tokenize_prompts_length_policy():
+    problems = [Problem("a", "short?", "#### 1", "1"), Problem("b", "x" * 50, "#### 2", "2")]
+    tok = CharTokenizer()
+    prompts, dropped = tokenize_prompts(problems, tok, max_prompt_tokens=30, on_long_prompt="drop")
+    assert dropped == 1 and [p.problem.id for p in prompts] == ["a"]
+    assert prompts[0].text == "Question: short?\nAnswer:" and len(prompts[0].ids) == 1 + len(prompts[0].text)
+    with pytest.raises(DataError, match=r"problem b: prompt is 69 tokens, over data.max_prompt_tokens=30"):
+        tokenize_prompts(problems, tok, max_prompt_tokens=30)
+    with pytest.raises(DataError, match="all 2 prompts"):
+        tokenize_prompts(problems, tok, max_prompt_tokens=3, on_long_prompt="drop")
+
+
+def test_template_errors_name_the_placeholder():
+    assert format_prompt(Problem("a", "2+2?", "4", "4"), "Q: {question} A:") == "Q: 2+2? A:"
+    with pytest.raises(DataError, match="unknown placeholder 'answer'"):
+        format_prompt(Problem("a", "2+2?", "4", "4"), "{question} {answer}")
