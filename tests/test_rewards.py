@@ -165,3 +165,7 @@ def test_unknown_policy_is_rejected_before_scoring():
 def test_reference_errors_surface_as_errors():
     report = score_samples([("q", "#### 1", "no number")], gsm8k_reward)
     assert report.scores[0].reward is None and "no final number" in report.scores[0].error
+
+
+def test_only_ascii_digits_are_numbers():
+    assert extract_answer("#### \u0667\u0662") is None  # Arabic-Indic "72" is not read as 72

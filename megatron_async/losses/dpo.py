@@ -54,7 +54,7 @@ def dpo_loss(
     chosen_rewards = (beta * chosen_logratio).detach()
     rejected_rewards = (beta * rejected_logratio).detach()
     metrics = {
-        "loss": loss.detach(),
+        "loss/dpo": loss.detach(),
         "rewards/chosen": chosen_rewards.mean(),
         "rewards/rejected": rejected_rewards.mean(),
         "rewards/margin": (chosen_rewards - rejected_rewards).mean(),

@@ -6,8 +6,8 @@ Extraction (the same for completions and references):
    stops did not answer, even if numbers appear earlier);
 2. otherwise the last number anywhere in the text.
 A number is an optional minus sign (not when glued to a preceding digit, so "3-2" reads 3 and 2),
-digits with optional thousands separators ("1,234" but not "1,2,3", which is three numbers) and an
-optional decimal part. "$" and a trailing "." are not part of the match, so "$1,234." -> "1234".
+ASCII digits with optional thousands separators ("1,234" but not "1,2,3", which is three numbers)
+and an optional decimal part. "$" and a trailing "." are not part of the match, so "$1,234." -> "1234".
 Comparison is numeric with `decimal.Decimal` ("72.0" == "72", "-0" == "0"), exact for any length.
 
 Nothing here evaluates model text: only a regular expression and Decimal parsing of the match.
@@ -19,7 +19,7 @@ import re
 from decimal import Decimal, InvalidOperation
 
 ANSWER_MARKER = "####"
-_NUMBER = re.compile(r"(?<!\d)-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
+_NUMBER = re.compile(r"(?<!\d)-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?", re.ASCII)
 
 
 def extract_answer(text: str) -> str | None:
