@@ -1,0 +1,149 @@
+"""Per-token log-probabilities and losses through megatron's pipeline schedules.
+
+One path serves both: `forward_backward(model, microbatches, loss_fn)` runs megatron's
+`get_forward_backward_func()` (no pipelining, or 1F1B when PP > 1) and, on the last stage, turns
+the vocab-parallel logits into per-token logprobs of the next tokens with megatron's
+`vocab_parallel_cross_entropy` (full-vocabulary logits are never gathered), then calls `loss_fn`.
+`compute_logprobs` is `forward_backward` with a loss_fn that records the logprobs.
+
+Microbatch contract: a dict with
+  "input_ids": LongTensor [b, s], right-padded (causal attention keeps padding out of real
+               tokens' logprobs);
+  "loss_mask": optional [b, s], 1 for tokens whose logprob counts (completion), 0 for prompt and
+               padding;
+  any other keys, passed through to `loss_fn` (advantages, reference logprobs, ...).
+All microbatches of one call share the same [b, s] (pipeline p2p buffers have a fixed shape).
+Logprobs are aligned with input_ids: `logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`,
+`logprobs[:, 0] = 0`, and positions where loss_mask is 0 are 0.
+"""
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+LossFn = Callable[[torch.Tensor, dict], "tuple[torch.Tensor, dict]"]
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """[b, s, vocab/TP] vocab-parallel logits -> [b, s] logprobs of each token given its prefix."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    # [b, s, v] -> [s-1, b, v]: position t predicts token t+1. A fresh contiguous copy, because
+    # vocab_parallel_cross_entropy subtracts the max from its input in place.
+    shifted = logits.transpose(0, 1)[:-1].float().contiguous()
+    if temperature != 1.0:
+        shifted = shifted / temperature
+    target = input_ids.transpose(0, 1)[1:].contiguous()
+    logprobs = -vocab_parallel_cross_entropy(shifted, target).transpose(0, 1)  # [b, s-1]
+    return torch.nn.functional.pad(logprobs, (1, 0))
+
+
+def _causal_mask(s: int, device) -> torch.Tensor:
+    # megatron convention: True = masked out. Passed explicitly (the default mask is built on CUDA).
+    return torch.ones(s, s, dtype=torch.bool, device=device).triu(1).view(1, 1, s, s)
+
+
+def _forward_step(data_iterator, model, *, loss_fn: LossFn, temperature: float):
+    mb = next(data_iterator)
+    device = next(model.parameters()).device
+    mb = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+    tokens = mb["input_ids"]
+    b, s = tokens.shape
+    position_ids = torch.arange(s, device=device).expand(b, s)
+    output = model(tokens, position_ids, _causal_mask(s, device))
+    return output, partial(_loss_on_last_stage, mb, loss_fn=loss_fn, temperature=temperature)
+
+
+def _loss_on_last_stage(mb: dict, logits: torch.Tensor, *, loss_fn: LossFn, temperature: float):
+    logprobs = token_logprobs(logits, mb["input_ids"], temperature)
+    if "loss_mask" in mb:
+        logprobs = logprobs * mb["loss_mask"].to(logprobs.dtype)
+    loss, metrics = loss_fn(logprobs, mb)
+    # The schedule divides the returned loss in place by the number of microbatches: log a clone.
+    metrics = {"loss": loss.detach().clone(), **{k: torch.as_tensor(v).detach().float() for k, v in metrics.items()}}
+    return loss, metrics
+
+
+def _check_microbatches(microbatches: list[dict]) -> tuple[int, int]:
+    if not microbatches:
+        raise ValueError("no microbatches")
+    shapes = {tuple(mb["input_ids"].shape) for mb in microbatches}
+    if len(shapes) != 1:
+        raise ValueError(f"all microbatches must share one [batch, seq] shape (pipeline buffers are fixed); got {sorted(shapes)}")
+    (b, s), = shapes
+    return b, s
+
+
+def _reduce_metrics(store: list[dict], device) -> dict[str, float]:
+    """Mean over microbatches and DP ranks on the last stage, then broadcast to the whole pipeline."""
+    from megatron.core import parallel_state as ps
+
+    metrics = None
+    if ps.is_pipeline_last_stage():
+        keys = sorted(store[0])
+        values = torch.stack([torch.stack([m[k].to(device).float().reshape(()) for k in keys]) for m in store]).mean(0)
+        if ps.get_data_parallel_world_size() > 1:
+            dist.all_reduce(values, group=ps.get_data_parallel_group())
+            values /= ps.get_data_parallel_world_size()
+        metrics = dict(zip(keys, values.tolist()))
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        box = [metrics]
+        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                   group=ps.get_pipeline_model_parallel_group())
+        metrics = box[0]
+    return metrics
+
+
+def forward_backward(model, microbatches: list[dict], loss_fn: LossFn, forward_only: bool = False,
+                     temperature: float = 1.0) -> dict[str, float]:
+    """Run forward (and backward unless `forward_only`) over `microbatches` with megatron's schedule.
+
+    `loss_fn(logprobs [b, s], microbatch) -> (scalar loss, metrics dict)` runs on the last pipeline
+    stage for each microbatch. Gradients accumulate as the mean of the per-microbatch losses (and,
+    under megatron DDP, over DP ranks). Returns the metrics averaged over microbatches and DP
+    ranks, with the loss under "loss", on EVERY rank. For training, `model` must be wrapped by
+    `learner.optimizer.build_optimizer` (which sets the grad-sync hooks); call `optimizer.step()`
+    afterwards and zero the grads before the next call.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    chunks = model if isinstance(model, list) else [model]
+    b, s = _check_microbatches(microbatches)
+    grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
+    with grad_ctx:
+        store = get_forward_backward_func()(
+            forward_step_func=partial(_forward_step, loss_fn=loss_fn, temperature=temperature),
+            data_iterator=iter(microbatches),
+            model=chunks,
+            num_microbatches=len(microbatches),
+            seq_length=s,
+            micro_batch_size=b,
+            forward_only=forward_only,
+        )
+    return _reduce_metrics(store, next(chunks[0].parameters()).device)
+
+
+def compute_logprobs(model, microbatches: list[dict], temperature: float = 1.0) -> list[torch.Tensor]:
+    """Per-token logprobs ([b, s] float32 per microbatch, aligned with input_ids, masked by
+    loss_mask) without gradients, on every rank (broadcast from the last pipeline stage)."""
+    from megatron.core import parallel_state as ps
+
+    collected = []
+
+    def record(logprobs, mb):
+        collected.append(logprobs.detach())
+        return logprobs.new_zeros(()), {}
+
+    forward_backward(model, microbatches, record, forward_only=True, temperature=temperature)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        chunks = model if isinstance(model, list) else [model]
+        device = next(chunks[0].parameters()).device
+        if not ps.is_pipeline_last_stage():
+            collected = [torch.empty(mb["input_ids"].shape, dtype=torch.float32, device=device) for mb in microbatches]
+        for t in collected:
+            dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    return collected

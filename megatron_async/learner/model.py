@@ -1,0 +1,219 @@
+"""Build a megatron-core `GPTModel` (this rank's pipeline stage) from an HF LLaMA-family config.
+
+Supported: `model_type` llama (incl. SmolLM2, LLaMA-3.x with `llama3` rope scaling), mistral
+without sliding window, and qwen2 (bias on q/k/v). RMSNorm, SwiGLU, RoPE (rotate-half form),
+GQA, tied or untied embeddings. Layer spec: Transformer Engine when TE and CUDA are present,
+else megatron's local spec. Dtype: fp32 on CPU (params built on the CPU), bf16 on GPU.
+
+The architecture is read once into `LlamaArch`, which `weights.mapping` also uses to check an HF
+checkpoint's tensor names and shapes against the model before anything is loaded.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class LlamaArch:
+    """The architecture fields of an HF config.json that decide the model's shapes and math."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    rope_theta: float
+    rope_scaling: tuple  # sorted (key, value) pairs of the HF rope parameters besides rope_theta
+    max_position_embeddings: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def rope_type(self) -> str:
+        return dict(self.rope_scaling).get("rope_type", "default")
+
+    def check_parallel(self, tp: int, pp: int) -> None:
+        """Raise ValueError if the model cannot be split TP x PP."""
+        problems = []
+        if self.num_heads % tp:
+            problems.append(f"num_attention_heads={self.num_heads}")
+        if self.num_kv_heads % tp:
+            problems.append(f"num_key_value_heads={self.num_kv_heads}")
+        if self.vocab_size % tp:
+            problems.append(f"vocab_size={self.vocab_size}")
+        if self.intermediate_size % tp:
+            problems.append(f"intermediate_size={self.intermediate_size}")
+        if problems:
+            raise ValueError(f"tp={tp} does not divide {', '.join(problems)}")
+        if self.num_layers % pp:
+            raise ValueError(f"pp={pp} does not divide num_hidden_layers={self.num_layers}")
+
+
+def read_arch(hf_config: str | os.PathLike | dict) -> LlamaArch:
+    """Parse an HF config (a checkpoint dir, a config.json path, or its dict) into `LlamaArch`.
+
+    Handles both the transformers-4 (`rope_theta` + `rope_scaling`) and transformers-5
+    (`rope_parameters`) spellings. Raises ValueError naming the unsupported field.
+    """
+    if not isinstance(hf_config, dict):
+        path = Path(hf_config)
+        path = path / "config.json" if path.is_dir() else path
+        try:
+            hf_config = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no HF config at {path}") from None
+    cfg = hf_config
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu/SwiGLU)")
+    if cfg.get("mlp_bias"):
+        raise ValueError("mlp_bias=true is not supported")
+    if cfg.get("sliding_window") is not None and (model_type == "mistral" or cfg.get("use_sliding_window")):
+        raise ValueError(f"sliding-window attention (sliding_window={cfg['sliding_window']}) is not supported")
+
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if "type" in rope:  # transformers-4 alias
+        rope.setdefault("rope_type", rope.pop("type"))
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in ("default", "llama3", "linear"):
+        raise ValueError(f"rope_type {rope_type!r} is not supported (default, llama3, linear)")
+
+    heads = cfg["num_attention_heads"]
+    return LlamaArch(
+        model_type=model_type,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        rope_theta=rope_theta,
+        rope_scaling=tuple(sorted(rope.items())),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+    )
+
+
+def _use_te() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return HAVE_TE
+
+
+def transformer_config(arch: LlamaArch, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = None):
+    """The megatron `TransformerConfig` equivalent to `arch` (dropout off; no CUDA fusions on CPU)."""
+    from megatron.core.transformer import TransformerConfig
+
+    cuda = torch.cuda.is_available()
+    dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+    arch.check_parallel(tp, pp)
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=False,  # fails with the torch-norm fallback on CPU (cpu-stack.md)
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=not cuda,
+        # The fused kernels below are CUDA-only; TE/apex pick them up on GPU.
+        bias_activation_fusion=cuda,
+        masked_softmax_fusion=cuda,
+        persist_layer_norm=cuda,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=cuda,
+        # gloo has no batched isend/irecv ordering problem to work around, and the sync would
+        # call torch.cuda.synchronize (cpu-stack.md).
+        batch_p2p_sync=cuda,
+        # HF LLaMA uses the full attention-score precision; keep softmax in fp32.
+        attention_softmax_in_fp32=True,
+    )
+
+
+def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dtype | None = None) -> list:
+    """Build this rank's model chunk(s) (a one-element list: no virtual pipeline) with random
+    weights; load real ones with `weights.mapping.load_hf_weights`.
+
+    Needs `learner.parallel.init_parallel` first; TP/PP sizes come from megatron's parallel_state.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    arch = hf_config if isinstance(hf_config, LlamaArch) else read_arch(hf_config)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    config = transformer_config(arch, tp, pp, dtype)
+    spec = get_gpt_layer_with_transformer_engine_spec() if _use_te() else get_gpt_layer_local_spec(normalization="RMSNorm")
+
+    rope = dict(arch.rope_scaling)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,  # logits stay vocab-parallel; see learner.logprobs
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_theta,
+        seq_len_interpolation_factor=rope["factor"] if arch.rope_type == "linear" else None,
+    )
+    if arch.rope_type == "llama3":
+        # GPTModel only takes the llama3 `factor`; megatron hard-codes the other three parameters
+        # to LLaMA-3.1's values. Recompute inv_freq with the checkpoint's own values.
+        rot = model.rotary_pos_emb
+        dim = arch.head_dim
+        base = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=rot.inv_freq.device) / dim))
+        rot.inv_freq = rot._apply_scaling(
+            base,
+            factor=rope["factor"],
+            low_freq_factor=rope["low_freq_factor"],
+            high_freq_factor=rope["high_freq_factor"],
+            original_max_position_embeddings=rope["original_max_position_embeddings"],
+        )
+    model.arch = arch  # read by weights.mapping and learner.checkpoint
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return [model]
