@@ -1,0 +1,99 @@
+"""vLLM worker extension that loads weight-sync buckets of HF-named tensors in place.
+
+Passed to vLLM as `LLM(worker_extension_cls="megatron_async.rollout.worker_extension.WeightUpdateExtension")`;
+vLLM mixes the class into its worker, so the methods below run on every worker with `self` = the
+worker, reached through `llm.collective_rpc(name, args=...)`. Only public vLLM API is used:
+the worker's `reload_weights(weights_iterator=..., is_checkpoint_format=True)` and the model's
+`packed_modules_mapping` class attribute.
+
+Invariants, per update (begin -> bucket* -> finish):
+- A bucket is verified (CRC32) before anything from it is loaded; a bad bucket loads nothing.
+- Every `reload_weights` call holds only complete fused groups. vLLM fuses q/k/v into `qkv_proj`
+  and gate/up into `gate_up_proj`, and its in-place reload re-processes a layer per call: a layer
+  given only part of its shards in one call is processed with the rest uninitialised (measured:
+  wrong outputs). Shards of an incomplete group are held back until the group is complete, so at
+  most one layer's fused shards wait between buckets.
+- `mas_finish_update` fails if a fused group is still incomplete or if any model parameter was
+  not covered by the update: a sync either replaces every weight or is reported as failed.
+The replica (replica.py) owns the ordering around these calls: generation is held off from
+begin until finish, and the prefix cache is reset after finish.
+"""
+from __future__ import annotations
+
+import logging
+
+from megatron_async.weights.buckets import unpack_bucket
+
+# NOTE: every per-bucket `reload_weights` call makes vLLM warn, for each layer the bucket does not
+# touch, that it "failed to load weights" (the layer keeps its current weights, which is what a
+# partial bucket wants). `mas_finish_update` checks coverage of the whole update instead, so
+# those two loggers are raised to ERROR rather than flooding the replica log once per bucket.
+for _name in ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+
+
+def fused_group(hf_name: str, packed: dict[str, list[str]]) -> tuple[str, str | None, int]:
+    """(vLLM parameter name, shard name or None, number of shards) for an HF tensor name.
+
+    E.g. with LLaMA's mapping, "model.layers.0.self_attn.k_proj.weight" ->
+    ("model.layers.0.self_attn.qkv_proj.weight", "k_proj", 3).
+    """
+    parts = hf_name.split(".")
+    for i, part in enumerate(parts):
+        for fused, shards in packed.items():
+            if part in shards:
+                return ".".join(parts[:i] + [fused] + parts[i + 1 :]), part, len(shards)
+    return hf_name, None, 1
+
+
+class WeightUpdateExtension:
+    """Methods mixed into the vLLM worker. State lives in `self._mas_update` between calls.
+
+    Names carry a `mas_` prefix: vLLM refuses an extension whose attribute names collide with the
+    worker's own (it already has e.g. `finish_weight_update`).
+    """
+
+    def mas_begin_update(self, version: int) -> None:
+        model = self.model_runner.get_model()
+        self._mas_update = {
+            "version": version,
+            "packed": dict(getattr(model, "packed_modules_mapping", {}) or {}),
+            "held": {},  # vLLM name -> {shard: tensor}, incomplete fused groups
+            "covered": set(),  # vLLM parameter names fully loaded in this update
+            "tensors": 0,
+        }
+
+    def mas_load_bucket(self, payload: bytes, expected_checksum: int) -> dict:
+        """Verify and load one bucket; returns {"tensors": loaded now, "held": shards waiting}."""
+        state = self._mas_update
+        ready = []
+        for name, tensor in unpack_bucket(payload, expected_checksum).items():
+            target, shard, num_shards = fused_group(name, state["packed"])
+            if shard is None:
+                ready.append((name, tensor))
+                state["covered"].add(target)
+                continue
+            group = state["held"].setdefault(target, {})
+            group[name] = tensor
+            if len(group) == num_shards:
+                ready.extend(state["held"].pop(target).items())
+                state["covered"].add(target)
+        if ready:
+            self.reload_weights(weights_iterator=iter(ready), is_checkpoint_format=True)
+        state["tensors"] += len(ready)
+        return {"tensors": len(ready), "held": sum(len(g) for g in state["held"].values())}
+
+    def mas_finish_update(self) -> dict:
+        """Check the update is complete; returns {"version", "tensors", "parameters"}."""
+        state = self._mas_update
+        if state["held"]:
+            incomplete = {k: sorted(v) for k, v in state["held"].items()}
+            raise RuntimeError(f"weight update {state['version']}: incomplete fused groups {incomplete}")
+        params = {n for n, _ in self.model_runner.get_model().named_parameters()}
+        missing = sorted(params - state["covered"])
+        if missing:
+            raise RuntimeError(
+                f"weight update {state['version']}: {len(missing)} of {len(params)} parameters not "
+                f"sent, e.g. {missing[:5]}"
+            )
+        return {"version": state["version"], "tensors": state["tensors"], "parameters": len(params)}

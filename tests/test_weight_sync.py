@@ -1,0 +1,172 @@
+"""Weight sync: bucketing (pure), then real vLLM replicas updated in place from HF tensors.
+
+After every sync, vLLM's sampled-token logprobs must equal transformers' logprobs of the same
+tokens under the pushed weights (fp32, max |diff| < 1e-3), on every replica.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_async.rollout import ReplicaPool, Sampling
+from megatron_async.rollout.worker_extension import fused_group
+from megatron_async.weights import sync as sync_mod
+from megatron_async.weights.buckets import BucketChecksumError, group_by_cap, iter_buckets, pack_bucket, unpack_bucket
+from megatron_async.weights.sync import WeightSender, WeightSyncError
+from tests.rollout_fixtures import LOGPROB_TOL, build_models, max_logprob_diff, spec, state_dict
+
+PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 40, 41, 42, 43], [1, 100], [1, 7, 7, 7, 7, 7], [1, 200, 3], [1, 12], [1, 60, 61]]
+SMALL_BUCKET = 48 << 10  # splits q/k/v and gate/up of one layer over several buckets
+
+
+# -- pure logic ---------------------------------------------------------------------------------
+def test_group_by_cap_respects_cap_order_and_oversize():
+    ts = [(f"t{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate([10, 10, 30, 100, 5, 5])]
+    groups = list(group_by_cap(ts, cap_bytes=160))  # 40 floats
+    assert [[n for n, _ in g] for g in groups] == [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"]]
+    for g in groups:
+        size = sum(t.nbytes for _, t in g)
+        assert size <= 160 or len(g) == 1  # only a lone tensor may exceed the cap
+    with pytest.raises(ValueError):
+        list(group_by_cap(ts, 0))
+
+
+def test_iter_buckets_consumes_lazily():
+    pulled = []
+
+    def gen():
+        for i in range(10):
+            pulled.append(i)
+            yield f"w{i}", torch.full((16,), float(i))  # 64 bytes each
+
+    it = iter_buckets(gen(), cap_bytes=128)
+    first = next(it)
+    assert first.names == ("w0", "w1") and pulled == [0, 1, 2]  # one tensor of look-ahead only
+    assert sum(len(b.names) for b in it) == 8
+
+
+def test_bucket_roundtrip_and_checksum():
+    tensors = [("a.weight", torch.randn(3, 4)), ("b.weight", torch.randn(5).to(torch.bfloat16))]
+    bucket = pack_bucket(0, tensors)
+    out = unpack_bucket(bucket.payload, bucket.checksum)
+    assert bucket.names == ("a.weight", "b.weight") and set(out) == {"a.weight", "b.weight"}
+    assert all(torch.equal(out[n], t) for n, t in tensors) and out["b.weight"].dtype == torch.bfloat16
+    corrupt = bytearray(bucket.payload)
+    corrupt[-1] ^= 0xFF
+    with pytest.raises(BucketChecksumError, match="checksum mismatch"):
+        unpack_bucket(bytes(corrupt), bucket.checksum)
+
+
+def test_fused_group_names():
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    assert fused_group("model.layers.3.self_attn.k_proj.weight", packed) == ("model.layers.3.self_attn.qkv_proj.weight", "k_proj", 3)
+    assert fused_group("model.layers.0.mlp.up_proj.weight", packed) == ("model.layers.0.mlp.gate_up_proj.weight", "up_proj", 2)
+    assert fused_group("model.layers.0.self_attn.o_proj.weight", packed) == ("model.layers.0.self_attn.o_proj.weight", None, 1)
+
+
+# -- real vLLM ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return build_models(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def pool(models, tmp_path_factory):
+    with ReplicaPool(spec(models[0]), 2, log_dir=tmp_path_factory.mktemp("logs"), request_timeout_s=120) as p:
+        yield p
+
+
+def push(pool, version, model_dir, **kw):
+    with WeightSender(pool.addresses, pool.authkey, timeout_s=kw.pop("timeout_s", 30), bucket_bytes=SMALL_BUCKET, **kw) as s:
+        return s.push(version, 0, 1, iter(state_dict(model_dir).items()))
+
+
+def sample_and_check(pool, model_dir, version):
+    records = pool.generate(PROMPTS, Sampling(n=2, max_tokens=12, temperature=1.0, seed=version), chunk_size=1)
+    assert len(records) == 2 * len(PROMPTS)
+    assert {r.policy_version for r in records} == {version}
+    assert max_logprob_diff(model_dir, records) < LOGPROB_TOL
+    assert [s["version"] for s in pool.health_check()] == [version, version]
+    return records
+
+
+def test_update_changes_outputs_and_logprobs_match_transformers(pool, models):
+    greedy = Sampling(n=1, max_tokens=12, temperature=0.0)
+    before = pool.generate(PROMPTS, greedy)
+    assert max_logprob_diff(models[0], before) < LOGPROB_TOL
+    metrics = push(pool, 1, models[1])
+    assert metrics["buckets"] > 10 and metrics["completed"] == 2 and metrics["replicas"] == 2 and not metrics["failed"]
+    assert metrics["bytes"] > sum(t.nbytes for t in state_dict(models[1]).values()) and metrics["gb_per_s"] > 0
+    after = pool.generate(PROMPTS, greedy)
+    assert [r.token_ids for r in after] != [r.token_ids for r in before]
+    assert max_logprob_diff(models[1], after) < LOGPROB_TOL
+    records = sample_and_check(pool, models[1], 1)
+    assert {r.replica_id for r in records} == {0, 1}  # both replicas received the update and served
+
+
+def test_versions_across_several_syncs(pool, models):
+    for version, model_dir in [(2, models[2]), (3, models[0]), (4, models[1])]:
+        push(pool, version, model_dir)
+        sample_and_check(pool, model_dir, version)
+
+
+def test_pipeline_stages_hold_generation_until_every_stage_arrived(pool, models):
+    items = list(state_dict(models[2]).items())
+    half = len(items) // 2
+    sender0 = WeightSender(pool.addresses, pool.authkey, timeout_s=30, bucket_bytes=SMALL_BUCKET)
+    sender1 = WeightSender(pool.addresses, pool.authkey, timeout_s=30, bucket_bytes=SMALL_BUCKET)
+    try:
+        m0 = sender0.push(5, 0, 2, iter(items[:half]))
+        assert m0["completed"] == 0  # stage 1 still missing: version not published
+        assert all(s["version"] == 4 and s["updating"] == 5 for s in pool.health_check())
+        result = {}
+        gen = threading.Thread(target=lambda: result.update(r=pool.generate(PROMPTS[:2], Sampling(max_tokens=4))))
+        gen.start()
+        gen.join(1.5)
+        assert gen.is_alive()  # held off while the update is incomplete
+        m1 = sender1.push(5, 1, 2, iter(items[half:]))
+        assert m1["completed"] == 2
+        gen.join(60)
+        assert {r.policy_version for r in result["r"]} == {5}
+        sample_and_check(pool, models[2], 5)
+    finally:
+        sender0.close()
+        sender1.close()
+
+
+def test_bad_checksum_fails_loudly_and_replica_refuses_until_repaired(pool, models, monkeypatch):
+    def corrupted(named, cap):
+        for b in iter_buckets(named, cap):
+            if b.index == 3:
+                b = type(b)(b.index, b.payload[:-1] + bytes([b.payload[-1] ^ 1]), b.checksum, b.names, b.tensor_bytes)
+            yield b
+
+    monkeypatch.setattr(sync_mod, "iter_buckets", corrupted)
+    with pytest.raises(WeightSyncError, match=r"version 6.*replica at 127\.0\.0\.1:\d+.*checksum mismatch"):
+        push(pool, 6, models[0])
+    monkeypatch.undo()
+    assert [(s["version"], s["weights_ok"]) for s in pool.health_check()] == [(5, False), (5, False)]
+    assert {r.replica_id for r in pool.replicas_needing_weights()} == {0, 1}
+    with pytest.raises(TimeoutError, match="needing weights: \\[0, 1\\]"):
+        pool.generate(PROMPTS[:2], Sampling(max_tokens=4), timeout_s=3)
+    push(pool, 6, models[0])
+    sample_and_check(pool, models[0], 6)
+
+
+def test_stalled_replica_fails_the_sync_within_its_timeout(pool, models):
+    pid = pool.pids()[1]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError, match=rf"version 7.*replica at 127\.0\.0\.1:{pool.addresses[1][1]}"):
+            push(pool, 7, models[1], timeout_s=3)
+        assert time.monotonic() - t0 < 15
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    push(pool, 7, models[1])
+    sample_and_check(pool, models[1], 7)
