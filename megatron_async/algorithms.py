@@ -1,0 +1,144 @@
+"""From a scored rollout batch to microbatches and a loss function, per algorithm.
+
+Every algorithmic choice of a learner step is visible here (cleanrl style); the loss arithmetic
+itself lives in `losses/` and the padding in `batching`. One learner step on one batch:
+
+    microbatches = build_microbatches(cfg, samples, pad_id, n_rows)     # same [b, s] for all
+    ref/old logprobs are added to each microbatch by the trainer (frozen reference model)
+    loss_fn = make_loss_fn(cfg)          # called by learner.logprobs.forward_backward
+
+Algorithms (trainer.algorithm):
+- online_dpo: per prompt, best vs worst of K by reward (ties skipped and counted); rows of a pair
+  are adjacent ([c0, r0, c1, r1, ...]) so a microbatch never splits a pair; DPO/IPO loss against
+  the frozen reference.
+- rloo: complete groups of K per prompt; sequence reward R = score - beta * KL(gen || ref), with
+  KL summed over completion tokens using the generating policy's logprobs; leave-one-out
+  advantages over the group; REINFORCE loss.
+- proximal_rloo: as rloo, with the clipped sequence-level importance ratio against the generating
+  policy (vLLM's logprobs of the sample), the paper's off-policy-robust variant.
+- best_of_k_sft: the best completion of each prompt if it scored 1 (exact match), NLL loss.
+PPO (value model, GAE) has its losses in `losses/ppo.py` but no learner value head yet: selecting
+it is refused in `make_loss_fn` with a clear error.
+
+Padding rows: the last microbatch is filled with copies of row 0 that carry `row_weight` 0, so
+every microbatch has the same shape (pipeline buffers are fixed) and padding adds nothing to the
+loss or the gradients. Each microbatch's loss is scaled so that the mean over microbatches (what
+the schedule computes) is the mean over real rows (pairs for DPO).
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_async import batching
+from megatron_async.losses import (
+    best_of_k_sft_loss,
+    dpo_loss,
+    proximal_rloo_loss,
+    rloo_advantages,
+    rloo_loss,
+    sequence_kl,
+    sequence_logprobs,
+)
+
+PAIRWISE = ("online_dpo",)
+
+
+def select_samples(algorithm: str, samples: list[batching.Sample], k: int) -> tuple[list[batching.Sample], dict]:
+    """Which samples are trained on, in row order, with selection statistics."""
+    if algorithm == "online_dpo":
+        pairs, stats = batching.build_dpo_pairs(samples)
+        return [s for pair in pairs for s in pair], stats  # [c0, r0, c1, r1, ...]
+    if algorithm in ("rloo", "proximal_rloo", "ppo"):
+        return batching.group_samples(samples, k)
+    if algorithm == "best_of_k_sft":
+        return batching.select_best_of_k(samples, min_reward=1.0)
+    raise ValueError(f"unknown algorithm {algorithm!r}")
+
+
+def build_microbatches(algorithm: str, rows: list[batching.Sample], pad_id: int, micro_batch_size: int,
+                       k: int, beta: float) -> list[dict]:
+    """Rows (from `select_samples`) -> microbatches of exactly `micro_batch_size` rows.
+
+    Keys: input_ids, loss_mask (completion tokens), gen_logprobs, rewards, row_weight, and for
+    RLOO the raw scores (advantages need the reference KL, added by `add_rloo_advantages`).
+    """
+    if not rows:
+        return []
+    if algorithm in PAIRWISE and micro_batch_size % 2:
+        micro_batch_size += 1  # a pair never straddles two microbatches
+    batch = batching.collate(rows, pad_id)
+    n = len(rows)
+    n_mb = -(-n // micro_batch_size)
+    pad = n_mb * micro_batch_size - n
+    index = torch.cat([torch.arange(n), torch.zeros(pad, dtype=torch.long)])
+    weight = torch.cat([torch.ones(n), torch.zeros(pad)])
+    real_units = n // 2 if algorithm in PAIRWISE else n
+    out = []
+    for m in range(n_mb):
+        sl = index[m * micro_batch_size:(m + 1) * micro_batch_size]
+        w = weight[m * micro_batch_size:(m + 1) * micro_batch_size]
+        units = int(w.sum().item()) // (2 if algorithm in PAIRWISE else 1)
+        mb = {
+            "input_ids": batch.input_ids[sl],
+            "loss_mask": batch.completion_mask[sl],
+            "rewards": batch.rewards[sl],
+            "row_weight": w,
+            # mean over microbatches of (loss_mb * scale) == mean over all real rows / pairs
+            "loss_scale": torch.tensor(units * n_mb / real_units),
+        }
+        if batch.gen_logprobs is not None:
+            mb["gen_logprobs"] = batch.gen_logprobs[sl]
+        out.append(mb)
+    return out
+
+
+def add_rloo_advantages(microbatches: list[dict], k: int, beta: float) -> dict:
+    """RLOO advantages from KL-regularised rewards; needs `ref_logprobs` in each microbatch.
+
+    Groups of k are contiguous in row order, so advantages are computed over the concatenation
+    of the microbatches' real rows and scattered back.
+    """
+    real = [mb["row_weight"] > 0 for mb in microbatches]
+    scores = torch.cat([mb["rewards"][r] for mb, r in zip(microbatches, real)])
+    kl = torch.cat([sequence_kl(mb["gen_logprobs"], mb["ref_logprobs"], mb["loss_mask"])[r]
+                    for mb, r in zip(microbatches, real)])
+    adv = rloo_advantages(scores - beta * kl, k)
+    start = 0
+    for mb, r in zip(microbatches, real):
+        n = int(r.sum())
+        mb["advantages"] = torch.zeros(len(r))
+        mb["advantages"][r] = adv[start:start + n]
+        start += n
+    return {"rloo/kl": kl.mean().item(), "rloo/regularised_reward": (scores - beta * kl).mean().item()}
+
+
+def make_loss_fn(algorithm: str, beta: float, dpo_loss_type: str = "sigmoid", clip_eps: float = 0.2):
+    """The per-microbatch loss for `learner.logprobs.forward_backward`: (logprobs, mb) -> (loss, metrics)."""
+    if algorithm == "ppo":
+        raise NotImplementedError("trainer.algorithm=ppo: the learner has no value model yet; "
+                                  "use online_dpo, rloo, proximal_rloo or best_of_k_sft")
+
+    def loss_fn(logprobs: torch.Tensor, mb: dict):
+        mask, real = mb["loss_mask"], mb["row_weight"] > 0
+        metrics = {}
+        if "ref_logprobs" in mb:
+            metrics["kl/ref"] = sequence_kl(logprobs.detach(), mb["ref_logprobs"], mask)[real].mean()
+        if algorithm == "online_dpo":
+            seq, ref = sequence_logprobs(logprobs, mask), sequence_logprobs(mb["ref_logprobs"], mask)
+            keep = real[0::2]
+            loss, m = dpo_loss(seq[0::2][keep], seq[1::2][keep], ref[0::2][keep], ref[1::2][keep], beta, dpo_loss_type)
+        elif algorithm == "rloo":
+            loss, m = rloo_loss(logprobs[real], mask[real], mb["advantages"][real])
+        elif algorithm == "proximal_rloo":
+            loss, m = proximal_rloo_loss(logprobs[real], mb["gen_logprobs"][real], mask[real],
+                                         mb["advantages"][real], clip_eps)
+        elif algorithm == "best_of_k_sft":
+            loss, m = best_of_k_sft_loss(logprobs[real], mask[real])
+        else:
+            raise ValueError(f"unknown algorithm {algorithm!r}")
+        if "gen_logprobs" in mb:  # learner vs generator on the trained tokens (drift + numerics)
+            diff = (logprobs.detach() - mb["gen_logprobs"]).abs() * mask
+            metrics["logprob_diff/learner_vs_generator"] = diff[real].sum() / mask[real].sum().clamp(min=1)
+        return loss * mb["loss_scale"], {**m, **metrics}
+
+    return loss_fn

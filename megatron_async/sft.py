@@ -1,0 +1,64 @@
+"""Supervised warm-up before RL: the learner trains on reference solutions, then exports HF.
+
+The CPU main job starts from a randomly initialised tiny LLaMA, which must first learn the answer
+format before exact-match rewards can say anything; the paper likewise starts RL from an SFT
+model. The same megatron learner, loss path and microbatching as RL are used (Best-of-K SFT's NLL
+on the reference solution + EOS). The result, `<run dir>/sft_model`, is policy version 0: the
+replicas start from it and the frozen reference model is loaded from it. A run that finds it
+already there (a resumed or repeated run) reuses it.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from tqdm import tqdm
+
+from megatron_async import algorithms, batching
+
+log = logging.getLogger(__name__)
+
+
+def sft_rows(prompts, tokenizer) -> list[batching.Sample]:
+    """Prompt ids + (" " + reference solution + EOS) as one training row per problem."""
+    rows = []
+    for i, p in enumerate(prompts):
+        target = tokenizer(" " + p.problem.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append(batching.Sample(prompt_index=i, prompt_ids=p.ids, completion_ids=target, logprobs=None,
+                                    reward=1.0, version=0))
+    return rows
+
+
+def run_sft(cfg, base: Path, tokenizer, layout, tracker) -> Path:
+    from megatron_async.convert import export_hf
+    from megatron_async.data.iterator import PromptIterator
+    from megatron_async.learner.model import build_model
+    from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
+    from megatron_async.trainer import tokenized_problems
+    from megatron_async.weights.mapping import load_hf_weights
+
+    out = cfg.run_dir / "sft_model"
+    if (out / "config.json").exists():
+        log.info("SFT model found at %s: reusing it", out)
+        return out
+    s = cfg.sft
+    chunks = build_model(base)
+    load_hf_weights(chunks, base)
+    settings = OptimSettings(lr=s.lr, min_lr=s.lr / 10, clip_grad=1.0, warmup_steps=min(20, s.steps // 10),
+                             decay_steps=max(1, s.steps - min(20, s.steps // 10)), decay_style="cosine")
+    policy, optimizer, scheduler = build_optimizer(chunks, settings)
+    prompts, _ = tokenized_problems(cfg, tokenizer, cfg.data.train, "train", 20000 if cfg.data.train == "synthetic" else 0)
+    data = PromptIterator(prompts, seed=cfg.run.seed + 1)
+    loss_fn = algorithms.make_loss_fn("best_of_k_sft", beta=0.0)
+    bar = tqdm(range(s.steps), desc="SFT", disable=layout.rank != 0, mininterval=2)
+    for step in bar:
+        rows = sft_rows(data.take(s.batch_size), tokenizer)
+        mbs = algorithms.build_microbatches("best_of_k_sft", rows, tokenizer.pad_token_id,
+                                            cfg.trainer.micro_batch_size, k=1, beta=0.0)
+        metrics = train_step(policy, optimizer, scheduler, mbs, loss_fn)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+        if step % 10 == 0 or step == s.steps - 1:
+            tracker.log_metrics({"sft/loss": metrics["loss"], "sft/lr": metrics["lr"]}, step=step)
+    export_hf([c.module for c in policy], out, tokenizer_dir=base)
+    log.info("SFT done (%d steps, final loss %.3f): %s", s.steps, metrics["loss"], out)
+    return out

@@ -1,0 +1,85 @@
+"""The producer's admission logic (unit tests with a fake batch maker; the real pool is tested in
+test_rollout_pool.py and end to end in test_train_e2e.py)."""
+import threading
+import time
+
+import pytest
+
+from megatron_async.producer import RolloutBatch, RolloutProducer
+
+
+class Recorder:
+    """make_batch that records which synced version each batch started under."""
+
+    def __init__(self, fail_at=None):
+        self.started: list[int] = []
+        self.fail_at = fail_at
+        self.lock = threading.Lock()
+
+    def __call__(self, index):
+        if index == self.fail_at:
+            raise ValueError("replica exploded")
+        with self.lock:
+            self.started.append(index)
+        return RolloutBatch(index=index, policy_version=-1, problems=[], completions=[], rewards=[])
+
+
+def wait_until(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.parametrize("max_lag", [0, 1, 2])
+def test_batches_get_version_b_minus_lag_and_wait_for_it(max_lag):
+    maker = Recorder()
+    prod = RolloutProducer(maker, max_lag=max_lag, last_batch=5).start()
+    try:
+        for step in range(6):
+            assert wait_until(lambda: prod.generated_through(step))
+            # admission: nothing that would need a version the replicas do not hold has started
+            time.sleep(0.05)
+            assert max(maker.started) <= step + max_lag
+            batch = prod.poll(step)
+            assert batch.index == step and batch.policy_version == max(0, step - max_lag)
+            assert step - batch.policy_version <= max_lag
+            prod.notify_synced(step + 1)
+        assert maker.started == list(range(6))  # and nothing past last_batch
+    finally:
+        prod.stop()
+
+
+def test_resume_with_buffered_batches():
+    maker = Recorder()
+    saved = [RolloutBatch(index=4, policy_version=3, problems=[], completions=[], rewards=[])]
+    prod = RolloutProducer(maker, max_lag=1, last_batch=7, first_batch=4, synced_version=4, ready=saved).start()
+    try:
+        assert prod.poll(4) is saved[0]
+        assert wait_until(lambda: prod.generated_through(5))
+        assert prod.poll(5).policy_version == 4
+        time.sleep(0.05)
+        assert maker.started == [5]  # batch 6 needs version 5
+        prod.notify_synced(5)
+        assert wait_until(lambda: prod.generated_through(6))
+    finally:
+        prod.stop()
+
+
+def test_errors_reach_the_learner():
+    prod = RolloutProducer(Recorder(fail_at=1), max_lag=1, last_batch=5).start()
+    try:
+        assert wait_until(lambda: prod._error is not None)
+        with pytest.raises(RuntimeError, match="replica exploded"):
+            prod.poll(0)
+    finally:
+        prod.stop()
+
+
+def test_stop_ends_a_waiting_thread():
+    prod = RolloutProducer(Recorder(), max_lag=0, last_batch=100).start()
+    assert wait_until(lambda: prod.generated_through(0))
+    prod.stop(timeout=5)
+    assert not prod._thread.is_alive()
