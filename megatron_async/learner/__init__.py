@@ -1,0 +1,3 @@
+"""The megatron-core learner: parallel set-up (`parallel`), CPU shims (`cpu_shims`), GPTModel from
+an HF config (`model`), logprobs and losses through the pipeline schedule (`logprobs`), Adam + LR
+schedule (`optimizer`) and atomic checkpoints (`checkpoint`). See each module's docstring."""

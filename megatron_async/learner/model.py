@@ -64,20 +64,23 @@ class LlamaArch:
             raise ValueError(f"pp={pp} does not divide num_hidden_layers={self.num_layers}")
 
 
+def read_hf_config(path: str | os.PathLike) -> dict:
+    """The config.json of an HF checkpoint dir (or the file itself) as a dict."""
+    path = Path(path)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no HF config at {path}") from None
+
+
 def read_arch(hf_config: str | os.PathLike | dict) -> LlamaArch:
     """Parse an HF config (a checkpoint dir, a config.json path, or its dict) into `LlamaArch`.
 
     Handles both the transformers-4 (`rope_theta` + `rope_scaling`) and transformers-5
     (`rope_parameters`) spellings. Raises ValueError naming the unsupported field.
     """
-    if not isinstance(hf_config, dict):
-        path = Path(hf_config)
-        path = path / "config.json" if path.is_dir() else path
-        try:
-            hf_config = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise FileNotFoundError(f"no HF config at {path}") from None
-    cfg = hf_config
+    cfg = hf_config if isinstance(hf_config, dict) else read_hf_config(hf_config)
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
@@ -180,7 +183,11 @@ def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dt
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    arch = hf_config if isinstance(hf_config, LlamaArch) else read_arch(hf_config)
+    if isinstance(hf_config, LlamaArch):
+        arch, raw = hf_config, None
+    else:
+        raw = hf_config if isinstance(hf_config, dict) else read_hf_config(hf_config)
+        arch = read_arch(raw)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     config = transformer_config(arch, tp, pp, dtype)
@@ -214,6 +221,7 @@ def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dt
             original_max_position_embeddings=rope["original_max_position_embeddings"],
         )
     model.arch = arch  # read by weights.mapping and learner.checkpoint
+    model.hf_config = raw  # written into checkpoints, for the conversion back to HF
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return [model]

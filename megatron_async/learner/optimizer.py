@@ -25,7 +25,7 @@ class OptimSettings:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # LR rises linearly from 0 (Megatron's rule: step 1 runs at LR 0)
     decay_steps: int = 1_000_000  # optimizer steps from the end of warmup to min_lr
     decay_style: str = "constant"  # constant | linear | cosine
 

@@ -1,0 +1,1 @@
+"""Command-line faces of `megatron_async.convert` (the HF <-> Megatron conversion)."""

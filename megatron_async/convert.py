@@ -1,0 +1,160 @@
+"""HF <-> Megatron checkpoint conversion (both directions go through `weights.mapping`).
+
+    python -m megatron_async.convert hf-to-megatron HF_DIR CKPT_DIR --tp 2 --pp 2
+    python -m megatron_async.convert megatron-to-hf CKPT_DIR HF_DIR [--tokenizer DIR] [--tp N --pp M]
+
+The Megatron side is a `learner.checkpoint` directory (dist_checkpointing, model only), which
+loads at any TP x PP; the HF side is safetensors + config.json + tokenizer files that transformers
+and vLLM load. With tp * pp > 1 the command re-launches itself under torchrun (gloo on CPU). Both
+outputs are written atomically (tmp dir, then rename).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+# HF files that are neither weights nor config.json: tokenizer and generation settings.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+SHARD_BYTES = 2 << 30
+
+
+def _hf_side_files(hf_dir: Path) -> dict[str, Path]:
+    return {p.name: p for p in sorted(hf_dir.iterdir())
+            if p.is_file() and p.name != "config.json" and not p.name.endswith(_WEIGHT_SUFFIXES)}
+
+
+def hf_to_megatron(src: Path, dst: Path) -> None:
+    """(Under init_parallel.) Load the HF checkpoint into this layout and save it as a learner checkpoint."""
+    from megatron_async.learner.checkpoint import save_checkpoint
+    from megatron_async.learner.model import build_model
+    from megatron_async.weights.mapping import load_hf_weights
+
+    chunks = build_model(src)
+    load_hf_weights(chunks, src)
+    files = {f"hf/{name}": path for name, path in _hf_side_files(src).items()}
+    save_checkpoint(dst, chunks, extra={"converted_from": str(src.resolve())}, files=files)
+
+
+def _write_stage_shards(chunks, out: Path, stage: int) -> dict[str, str]:
+    """Stream this stage's HF tensors into size-capped safetensors files; returns name -> file."""
+    from safetensors.torch import save_file
+
+    from megatron_async.weights.mapping import iter_hf_weights
+
+    weight_map, shard, size, k = {}, {}, 0, 0
+
+    def flush():
+        nonlocal shard, size, k
+        fname = f"model-pp{stage:02d}-{k:04d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in shard})
+        shard, size, k = {}, 0, k + 1
+
+    for name, tensor in iter_hf_weights(chunks):
+        shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        size += tensor.numel() * tensor.element_size()
+        if size >= SHARD_BYTES:
+            flush()
+    if shard:
+        flush()
+    return weight_map
+
+
+def megatron_to_hf(src: Path, dst: Path, tokenizer: Path | None) -> None:
+    """(Under init_parallel.) Load a learner checkpoint and write it as an HF checkpoint."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_async.learner.checkpoint import load_checkpoint, read_manifest
+    from megatron_async.learner.model import build_model
+
+    hf_config_path = src / "hf_config.json"
+    if not hf_config_path.exists():
+        raise FileNotFoundError(f"{hf_config_path} is missing: {src} was not saved from a model built from an HF config")
+    hf_config = json.loads(hf_config_path.read_text())
+    tok_dir = tokenizer or src / "hf"
+    read_manifest(src, verify=False)  # a clear error early (on every rank) if src is no checkpoint
+    if not tok_dir.is_dir():
+        raise FileNotFoundError(f"no tokenizer: {tok_dir} does not exist (pass --tokenizer DIR)")
+    chunks = build_model(hf_config)
+    load_checkpoint(src, chunks)
+
+    tmp = dst.with_name(dst.name + ".tmp")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    weight_map = _write_stage_shards(chunks, tmp, ps.get_pipeline_model_parallel_rank())
+    maps = [None] * dist.get_world_size()
+    dist.all_gather_object(maps, weight_map)
+    if dist.get_rank() == 0:
+        merged = {k: v for m in maps for k, v in m.items()}
+        files = sorted(set(merged.values()))
+        if len(files) == 1:
+            (tmp / files[0]).rename(tmp / "model.safetensors")
+        else:
+            total = sum((tmp / f).stat().st_size for f in files)
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(merged.items()))}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        for name, path in _hf_side_files(tok_dir).items():
+            shutil.copyfile(path, tmp / name)
+        dtype = str(next(chunks[0].parameters()).dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps({**hf_config, "dtype": dtype}, indent=2))
+        if dst.exists():
+            shutil.rmtree(dst)
+        tmp.rename(dst)
+    dist.barrier()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-async convert", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("hf-to-megatron", help="HF safetensors checkpoint -> learner (dist_checkpointing) checkpoint")
+    b = sub.add_parser("megatron-to-hf", help="learner checkpoint -> HF safetensors checkpoint")
+    b.add_argument("--tokenizer", type=Path, help="tokenizer dir (default: the one stored by hf-to-megatron)")
+    for s in (a, b):
+        s.add_argument("src", type=Path)
+        s.add_argument("dst", type=Path)
+        s.add_argument("--tp", type=int, default=1, help="tensor-parallel size to convert with")
+        s.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to convert with")
+    return p
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    world = args.tp * args.pp
+    if world > 1 and "LOCAL_RANK" not in os.environ:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+               f"--master-port={_free_port()}", "-m", "megatron_async.convert", *argv]
+        return subprocess.call(cmd)
+
+    from megatron_async.learner.parallel import destroy_parallel, init_parallel
+
+    init_parallel(args.tp, args.pp)
+    try:
+        if args.command == "hf-to-megatron":
+            hf_to_megatron(args.src, args.dst)
+        else:
+            megatron_to_hf(args.src, args.dst, args.tokenizer)
+    finally:
+        destroy_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,36 @@
+"""Worker scripts run by the learner/conversion tests (under torchrun when nproc > 1), and their launcher."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKERS = Path(__file__).resolve().parent
+REPO = WORKERS.parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_worker(script: str, *args, nproc: int = 1, timeout: int = 240) -> str:
+    """Run tests/dist/<script> (under torchrun when nproc > 1); return its output, fail with its tail."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               f"--master-port={free_port()}", str(WORKERS / script)]
+    else:
+        cmd = [sys.executable, str(WORKERS / script)]
+    proc = subprocess.run([*cmd, *map(str, args)], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        pytest.fail(f"{script} {' '.join(map(str, args))} (nproc={nproc}) exited {proc.returncode}:\n{out[-6000:]}")
+    return out
+
+
