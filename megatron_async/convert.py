@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -128,18 +127,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str]) -> int:
+    from megatron_async.learner.parallel import free_port
+
     args = _parser().parse_args(argv)
     world = args.tp * args.pp
     if world > 1 and "LOCAL_RANK" not in os.environ:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-               f"--master-port={_free_port()}", "-m", "megatron_async.convert", *argv]
+               f"--master-port={free_port()}", "-m", "megatron_async.convert", *argv]
         return subprocess.call(cmd)
 
     from megatron_async.learner.parallel import destroy_parallel, init_parallel

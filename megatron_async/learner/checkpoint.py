@@ -23,16 +23,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_async.learner.model import LlamaArch
+from megatron_async.learner.model import LlamaArch, unwrap_model as _unwrap
 
 MANIFEST = "manifest.json"
 FORMAT = "megatron_async/1"
-
-
-def _unwrap(chunk):
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def _sha256(path: Path) -> str:

@@ -118,6 +118,13 @@ def read_arch(hf_config: str | os.PathLike | dict) -> LlamaArch:
     )
 
 
+def unwrap_model(chunk):
+    """The GPTModel inside megatron wrappers (DDP, Float16Module)."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
 def _use_te() -> bool:
     if not torch.cuda.is_available():
         return False

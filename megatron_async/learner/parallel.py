@@ -48,7 +48,8 @@ class ParallelLayout:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port that was free a moment ago (for MASTER_PORT)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -71,7 +72,7 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_minutes: i
     if "MASTER_PORT" not in os.environ:
         if os.environ["WORLD_SIZE"] != "1":
             raise RuntimeError("MASTER_PORT is not set: launch the learner with torchrun")
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
     world_size = int(os.environ["WORLD_SIZE"])
     if tp < 1 or pp < 1 or world_size % (tp * pp):
         raise ValueError(f"world size {world_size} is not a multiple of tp*pp = {tp}*{pp}")

@@ -27,7 +27,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_async.learner.model import LlamaArch, read_arch
+from megatron_async.learner.model import LlamaArch, read_arch, unwrap_model as _unwrap
 
 
 @dataclass(frozen=True)
@@ -191,12 +191,6 @@ def validate_hf_checkpoint(hf_dir: str | os.PathLike, arch: LlamaArch | None = N
     if problems:
         raise ValueError(f"HF checkpoint {hf_dir} does not match its config.json:\n  " + "\n  ".join(problems))
     return files
-
-
-def _unwrap(chunk):
-    while hasattr(chunk, "module"):  # megatron DDP / Float16Module wrappers
-        chunk = chunk.module
-    return chunk
 
 
 def _named_rules(chunk, arch: LlamaArch) -> Iterator[tuple[str, torch.nn.Parameter, Rule, str]]:

@@ -2,21 +2,16 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from megatron_async.learner.parallel import free_port
+
 WORKERS = Path(__file__).resolve().parent
 REPO = WORKERS.parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_worker(script: str, *args, nproc: int = 1, timeout: int = 240) -> str:

@@ -7,7 +7,6 @@ save (from the ranks that hold them) full logits, logprobs, one train step's los
 HF-layout gradients and the HF-layout weights after the Adam step, as OUT/<model>_*.pt.
 """
 import argparse
-import os
 from pathlib import Path
 
 import torch
