@@ -13,21 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-# HF files that are neither weights nor config.json: tokenizer and generation settings.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
-SHARD_BYTES = 2 << 30
-
-
-def _hf_side_files(hf_dir: Path) -> dict[str, Path]:
-    return {p.name: p for p in sorted(hf_dir.iterdir())
-            if p.is_file() and p.name != "config.json" and not p.name.endswith(_WEIGHT_SUFFIXES)}
+from megatron_async.weights.hf_export import export_hf, hf_side_files
 
 
 def hf_to_megatron(src: Path, dst: Path) -> None:
@@ -38,40 +30,12 @@ def hf_to_megatron(src: Path, dst: Path) -> None:
 
     chunks = build_model(src)
     load_hf_weights(chunks, src)
-    files = {f"hf/{name}": path for name, path in _hf_side_files(src).items()}
+    files = {f"hf/{name}": path for name, path in hf_side_files(src).items()}
     save_checkpoint(dst, chunks, extra={"converted_from": str(src.resolve())}, files=files)
-
-
-def _write_stage_shards(chunks, out: Path, stage: int) -> dict[str, str]:
-    """Stream this stage's HF tensors into size-capped safetensors files; returns name -> file."""
-    from safetensors.torch import save_file
-
-    from megatron_async.weights.mapping import iter_hf_weights
-
-    weight_map, shard, size, k = {}, {}, 0, 0
-
-    def flush():
-        nonlocal shard, size, k
-        fname = f"model-pp{stage:02d}-{k:04d}.safetensors"
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
-        weight_map.update({n: fname for n in shard})
-        shard, size, k = {}, 0, k + 1
-
-    for name, tensor in iter_hf_weights(chunks):
-        shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
-        size += tensor.numel() * tensor.element_size()
-        if size >= SHARD_BYTES:
-            flush()
-    if shard:
-        flush()
-    return weight_map
 
 
 def megatron_to_hf(src: Path, dst: Path, tokenizer: Path | None) -> None:
     """(Under init_parallel.) Load a learner checkpoint and write it as an HF checkpoint."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
     from megatron_async.learner.checkpoint import load_checkpoint, read_manifest
     from megatron_async.learner.model import build_model
 
@@ -85,32 +49,7 @@ def megatron_to_hf(src: Path, dst: Path, tokenizer: Path | None) -> None:
         raise FileNotFoundError(f"no tokenizer: {tok_dir} does not exist (pass --tokenizer DIR)")
     chunks = build_model(hf_config)
     load_checkpoint(src, chunks)
-
-    tmp = dst.with_name(dst.name + ".tmp")
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    weight_map = _write_stage_shards(chunks, tmp, ps.get_pipeline_model_parallel_rank())
-    maps = [None] * dist.get_world_size()
-    dist.all_gather_object(maps, weight_map)
-    if dist.get_rank() == 0:
-        merged = {k: v for m in maps for k, v in m.items()}
-        files = sorted(set(merged.values()))
-        if len(files) == 1:
-            (tmp / files[0]).rename(tmp / "model.safetensors")
-        else:
-            total = sum((tmp / f).stat().st_size for f in files)
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(merged.items()))}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        for name, path in _hf_side_files(tok_dir).items():
-            shutil.copyfile(path, tmp / name)
-        dtype = str(next(chunks[0].parameters()).dtype).removeprefix("torch.")
-        (tmp / "config.json").write_text(json.dumps({**hf_config, "dtype": dtype}, indent=2))
-        if dst.exists():
-            shutil.rmtree(dst)
-        tmp.rename(dst)
-    dist.barrier()
+    export_hf(chunks, dst, tokenizer_dir=tok_dir, hf_config=hf_config)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -147,3 +148,21 @@ class RolloutProducer:
     def state(self) -> dict[str, Any]:
         with self._cond:
             return {"next_batch": self._next, "synced_version": self._synced}
+
+
+def batch_to_json(batch: RolloutBatch) -> dict:
+    """A JSON-able dict of a batch (saved with checkpoints: the rollout buffer survives a resume)."""
+    return dataclasses.asdict(batch)
+
+
+def batch_from_json(data: dict) -> RolloutBatch:
+    from megatron_async.data.prompts import Problem
+    from megatron_async.rollout.pool import Completion
+
+    def completion(c: dict) -> Completion:
+        c = dict(c, prompt_token_ids=tuple(c["prompt_token_ids"]), token_ids=tuple(c["token_ids"]),
+                 logprobs=None if c["logprobs"] is None else tuple(c["logprobs"]))
+        return Completion(**c)
+
+    return RolloutBatch(**{**data, "problems": [Problem(**p) for p in data["problems"]],
+                           "completions": [[completion(c) for c in cs] for cs in data["completions"]]})

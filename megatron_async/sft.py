@@ -30,7 +30,7 @@ def sft_rows(prompts, tokenizer) -> list[batching.Sample]:
 
 
 def run_sft(cfg, base: Path, tokenizer, layout, tracker) -> Path:
-    from megatron_async.convert import export_hf
+    from megatron_async.weights.hf_export import export_hf
     from megatron_async.data.iterator import PromptIterator
     from megatron_async.learner.model import build_model
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step

@@ -33,6 +33,7 @@ class NullTracker:
     """Tracker of ranks that do not log, and of runs with tracking.enabled=false."""
 
     run_id = None
+    resumed = False
 
     def log_params(self, params: dict[str, Any]) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
@@ -104,7 +105,8 @@ class MlflowTracker:
     # -- internals ----------------------------------------------------------------------------
     def _open_run(self, experiment: str, run_name: str) -> str:
         id_file = self.run_dir / RUN_ID_FILE
-        if id_file.exists():  # a resumed run keeps logging into the same MLflow run
+        self.resumed = id_file.exists()
+        if self.resumed:  # a resumed run keeps logging into the same MLflow run
             return id_file.read_text().strip()
         exp = self.client.get_experiment_by_name(experiment)
         if exp is None:
@@ -153,6 +155,11 @@ class MlflowTracker:
                 elif kind == "artifact":
                     self.client.log_artifact(self.run_id, payload[0], payload[1])
             except Exception as e:
+                if _is_rejected(e):  # the server answered "no": retrying would loop forever
+                    log.warning("MLflow rejected a %s item, dropping it: %s", kind, str(e)[:300])
+                    with self._lock:
+                        self._outbox.popleft()
+                    continue
                 if self._outage_since is None:
                     self._outage_since = time.monotonic()
                     log.warning("MLflow unreachable (%s: %s); keeping metrics and retrying every %.0fs",
@@ -194,6 +201,14 @@ class MlflowTracker:
                 self._outbox.append((item["kind"], payload))
         path.unlink()
         log.info("MLflow: re-queued undelivered items from %s", path)
+
+
+def _is_rejected(e: Exception) -> bool:
+    """A request the store refused (e.g. changing a logged param), as opposed to an outage."""
+    from mlflow.exceptions import MlflowException
+
+    return isinstance(e, MlflowException) and e.error_code in (
+        "INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS", "INVALID_STATE")
 
 
 def build_tracker(cfg, rank: int = 0):

@@ -11,22 +11,17 @@ replicas are started by learner rank 0 (see `trainer.py`), never by torchrun.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(cfg, config_path: str, overrides: list[str], nproc: int | None = None) -> int:
     ranks = nproc or cfg.parallel.world_size or cfg.parallel.tp * cfg.parallel.pp
     if ranks > 1 and "LOCAL_RANK" not in os.environ:
+        from megatron_async.learner.parallel import free_port
+
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
-               "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}",
                "-m", "megatron_async", "train", config_path, *overrides]
         if cfg.run.resume:
             cmd.append("--resume")

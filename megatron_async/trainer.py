@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -33,6 +34,8 @@ from megatron_async.producer import RolloutBatch, RolloutProducer
 from megatron_async.tracking import build_tracker
 
 log = logging.getLogger(__name__)
+
+CRASH_ENV = "MEGATRON_ASYNC_CRASH_AFTER_CHECKPOINT"  # "N": SIGKILL self right after checkpoint step_N
 
 
 # ----------------------------------------------------------------------------- set-up helpers
@@ -94,6 +97,8 @@ class Trainer:
     start_step: int = 0
     version: int = 0  # policy version of the learner's weights = learner steps done
     history: list = dataclasses.field(default_factory=list)  # per-step metrics (rank 0), for plots
+    data_state: dict = dataclasses.field(default_factory=dict)  # prompt position after the last trained batch
+    resumed_buffer: list = dataclasses.field(default_factory=list)  # rank 0: batches from a checkpoint
 
     @property
     def rank0(self) -> bool:
@@ -119,7 +124,8 @@ class Trainer:
         base = prepare_base_model(cfg) if layout.rank != 0 else base  # exists now: returns the path
         tokenizer = AutoTokenizer.from_pretrained(str(base))
         tracker = build_tracker(cfg, layout.rank)
-        tracker.log_params(flatten(cfg))
+        if not tracker.resumed:  # MLflow refuses to change a logged param (e.g. run.resume)
+            tracker.log_params(flatten(cfg))
 
         init_model = base
         if cfg.sft.steps > 0:
@@ -142,7 +148,22 @@ class Trainer:
         policy, optimizer, scheduler = build_optimizer(policy, settings)
         trainer = cls(cfg, layout, ctrl, tokenizer, init_model, policy, reference, optimizer, scheduler, tracker)
         trainer._start_rollout()
+        if cfg.run.resume:
+            trainer._resume()
         return trainer
+
+    def _resume(self) -> None:
+        from megatron_async.checkpointing import checkpoint_root, latest_checkpoint, load_run_checkpoint
+
+        path = latest_checkpoint(self.cfg)
+        if path is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in {checkpoint_root(self.cfg)} (nothing was saved yet)")
+        state = load_run_checkpoint(self, path)
+        self.start_step = self.version = state["next_step"]
+        if self.rank0:
+            self.history, self.data_state, self.resumed_buffer = state["history"], state["data_state"], state["buffer"]
+            self.prompts.load_state_dict(self.data_state)
+        self.push_weights(self.version)  # replicas started from version 0
 
     def _start_rollout(self) -> None:
         """Rank 0 starts the replicas and the producer; every rank learns where the replicas are."""
@@ -157,6 +178,7 @@ class Trainer:
             if dropped:
                 log.warning("dropped %d training prompts over data.max_prompt_tokens=%d", dropped, cfg.data.max_prompt_tokens)
             self.prompts = PromptIterator(train, seed=cfg.run.seed)
+            self.data_state = self.prompts.state_dict()
             r = cfg.rollout
             spec = ReplicaSpec(model=str(self.init_model), dtype=cfg.model.dtype, tensor_parallel_size=r.replica_tp,
                                max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens,
@@ -173,10 +195,13 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------------------
     def train(self) -> None:
         cfg, t = self.cfg, self.cfg.trainer
-        before = self.evaluate("before")
+        from megatron_async.checkpointing import save_run_checkpoint
+
+        before = self.evaluate("before") if self.start_step == 0 else None
         if self.rank0:
             self.producer = RolloutProducer(self._make_batch, cfg.rollout.max_lag, last_batch=t.steps - 1,
-                                            first_batch=self.start_step, synced_version=self.start_step).start()
+                                            first_batch=self.start_step, synced_version=self.start_step,
+                                            ready=self.resumed_buffer).start()
         for step in range(self.start_step, t.steps):
             t_wait = time.monotonic()
             batch = self._wait_for(lambda: self.producer.poll(step))
@@ -195,10 +220,32 @@ class Trainer:
             metrics.update({"timing/learner_idle_s": learner_idle, "timing/train_s": train_seconds,
                             "timing/sync_s": sync["seconds"], "weight_sync/gb_per_s": sync["gb_per_s"],
                             "timing/generation_s": batch.gen_seconds, "timing/reward_s": batch.score_seconds})
+            self.data_state = batch.data_state
             self.log_step(step, batch, metrics)
+            if (t.checkpoint_every and (step + 1) % t.checkpoint_every == 0) or step + 1 == t.steps:
+                save_run_checkpoint(self, next_step=step + 1)
+                if os.environ.get(CRASH_ENV) == str(step + 1):  # fault injection (tests): die like a kill -9
+                    os.kill(os.getpid(), signal.SIGKILL)
         after = self.evaluate("after")
-        if self.rank0 and before is not None:
+        self.finish(before, after)
+
+    def finish(self, before: float | None, after: float | None) -> None:
+        """Final HF export (all ranks), plots and summary (rank 0)."""
+        from megatron_async.weights.hf_export import export_hf
+
+        export_hf([c.module for c in self.policy], self.cfg.run_dir / "hf_final", tokenizer_dir=self.init_model)
+        if not self.rank0:
+            return
+        from megatron_async.plots import plot_training
+
+        png = plot_training(self.history, self.cfg.run_dir / "training.png",
+                            title=f"{self.cfg.run.name}: {self.cfg.trainer.algorithm}, max_lag={self.cfg.rollout.max_lag}")
+        self.tracker.log_artifact(png)
+        self.tracker.log_artifact(self.cfg.run_dir / "config.yaml")
+        if before is not None:
             print(f"pass@1 on {len(self.eval_prompts)} held-out problems: before {before:.3f} -> after {after:.3f}")
+        elif after is not None:
+            print(f"pass@1 on {len(self.eval_prompts)} held-out problems after training: {after:.3f}")
 
     def _wait_for(self, ready: Callable[[], Any]) -> Any:
         """All ranks: wait until rank 0's `ready()` returns non-None; repair stale replicas meanwhile."""
@@ -326,7 +373,7 @@ class Trainer:
         import json
 
         atomic_write_text(path, json.dumps(result, indent=1))
-        self.tracker.log_metrics({f"eval/pass@1_{tag}": result["pass@1"]}, step=self.version)
+        self.tracker.log_metrics({f"eval/pass_at_1_{tag}": result["pass@1"]}, step=self.version)
         self.tracker.log_artifact(path)
         log.info("pass@1 (%s) = %.3f on %d problems", tag, result["pass@1"], result["n"])
         return result["pass@1"]

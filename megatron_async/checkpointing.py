@@ -1,0 +1,89 @@
+"""Run checkpoints: learner state + rollout state, written atomically, resumed exactly.
+
+    <run dir>/checkpoints/step_000010/   learner.checkpoint directory (dist_checkpointing: model,
+                                         optimizer, scheduler; manifest with sha256 of every file)
+        rollout_state.json               the rollout buffer (generated, untrained batches), the
+                                         prompt iterator position after the last generated batch,
+                                         the policy version, metric history
+    <run dir>/checkpoints/latest         name of the newest complete checkpoint (atomic rewrite)
+
+A checkpoint taken after learner step s holds version s+1. Batches the producer had finished are
+saved; a batch still being generated is not (its prompts are not consumed in the saved iterator
+position), so on resume it is generated again, by the same policy version with the same seeds.
+A crash mid-save leaves `step_X.tmp`, which is never loaded: `latest` only ever names a directory
+whose manifest was written last and whose checksums verify on load.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_async.io_utils import atomic_write_text
+from megatron_async.producer import batch_from_json, batch_to_json
+
+log = logging.getLogger(__name__)
+
+ROLLOUT_STATE = "rollout_state.json"
+KEEP = 2  # newest checkpoints kept
+
+
+def checkpoint_root(cfg) -> Path:
+    return cfg.run_dir / "checkpoints"
+
+
+def save_run_checkpoint(trainer, next_step: int) -> Path:
+    """All ranks. Rank 0 contributes the rollout state; learner shards come from every rank."""
+    from megatron_async.learner.checkpoint import save_checkpoint
+
+    root = checkpoint_root(trainer.cfg)
+    path = root / f"step_{next_step:06d}"
+    files = {}
+    tmpdir = None
+    if trainer.rank0:
+        buffered = trainer.producer.buffered()
+        state = {
+            "next_step": next_step,
+            "version": trainer.version,
+            "buffer": [batch_to_json(b) for b in buffered],
+            "data_state": buffered[-1].data_state if buffered else trainer.data_state,
+            "history": trainer.history,
+        }
+        tmpdir = Path(tempfile.mkdtemp(prefix="rollout-state-"))
+        (tmpdir / ROLLOUT_STATE).write_text(json.dumps(state))
+        files = {ROLLOUT_STATE: tmpdir / ROLLOUT_STATE}
+    save_checkpoint(path, trainer.policy, trainer.optimizer, trainer.scheduler,
+                    extra={"next_step": next_step, "version": trainer.version}, files=files)
+    if trainer.rank0:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        atomic_write_text(root / "latest", path.name)
+        for old in sorted(root.glob("step_*"))[:-KEEP]:
+            if old.is_dir() and not old.name.endswith(".tmp"):
+                shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint saved: %s", path)
+    dist.barrier(group=trainer.ctrl)
+    return path
+
+
+def latest_checkpoint(cfg) -> Path | None:
+    marker = checkpoint_root(cfg) / "latest"
+    if not marker.exists():
+        return None
+    return checkpoint_root(cfg) / marker.read_text().strip()
+
+
+def load_run_checkpoint(trainer, path: Path) -> dict:
+    """All ranks: restore learner state; returns the rollout state (meaningful on rank 0)."""
+    from megatron_async.learner.checkpoint import load_checkpoint
+
+    extra = load_checkpoint(path, trainer.policy, trainer.optimizer, trainer.scheduler)
+    state = json.loads((path / ROLLOUT_STATE).read_text())
+    if state["next_step"] != extra["next_step"]:
+        raise ValueError(f"{path}: {ROLLOUT_STATE} is for step {state['next_step']}, the learner state for {extra['next_step']}")
+    state["buffer"] = [batch_from_json(b) for b in state["buffer"]]
+    log.info("resumed from %s: next step %d, %d buffered batches", path, state["next_step"], len(state["buffer"]))
+    return state

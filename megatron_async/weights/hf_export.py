@@ -1,0 +1,92 @@
+"""Write a live (TP/PP-sharded) learner model as an HF checkpoint folder, atomically.
+
+    export_hf(model_chunks, "runs/x/hf_final", tokenizer_dir="runs/x/base_model")   # all ranks
+
+Each pipeline stage's source rank streams its tensors (`mapping.iter_hf_weights`) into size-capped
+safetensors files; rank 0 merges the weight maps (one file -> model.safetensors, several -> an
+index), copies tokenizer/generation files from `tokenizer_dir`, writes config.json (the HF config
+the model was built from) and renames the folder into place. transformers and vLLM load it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+# HF files that are neither weights nor config.json: tokenizer and generation settings.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+SHARD_BYTES = 2 << 30
+
+
+def hf_side_files(hf_dir: Path) -> dict[str, Path]:
+    return {p.name: p for p in sorted(Path(hf_dir).iterdir())
+            if p.is_file() and p.name != "config.json" and not p.name.endswith(WEIGHT_SUFFIXES)}
+
+
+def _write_stage_shards(chunks, out: Path, stage: int) -> dict[str, str]:
+    """Stream this stage's HF tensors into size-capped safetensors files; returns name -> file."""
+    from safetensors.torch import save_file
+
+    from megatron_async.weights.mapping import iter_hf_weights
+
+    weight_map, shard, size, k = {}, {}, 0, 0
+
+    def flush():
+        nonlocal shard, size, k
+        fname = f"model-pp{stage:02d}-{k:04d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in shard})
+        shard, size, k = {}, 0, k + 1
+
+    for name, tensor in iter_hf_weights(chunks):
+        shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        size += tensor.numel() * tensor.element_size()
+        if size >= SHARD_BYTES:
+            flush()
+    if shard:
+        flush()
+    return weight_map
+
+
+def export_hf(model_chunks: list, dst: str | os.PathLike, tokenizer_dir: str | os.PathLike,
+              hf_config: dict | None = None) -> Path:
+    """Collective over all learner ranks. `hf_config` defaults to the one the model was built from."""
+    from megatron.core import parallel_state as ps
+
+    dst = Path(dst)
+    model = model_chunks[0]
+    hf_config = hf_config or getattr(model, "hf_config", None)
+    if hf_config is None:
+        raise ValueError("export_hf: the model carries no HF config (built from a LlamaArch?); pass hf_config")
+    tmp = dst.with_name(dst.name + ".tmp")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    weight_map = _write_stage_shards(model_chunks, tmp, ps.get_pipeline_model_parallel_rank())
+    maps = [None] * dist.get_world_size()
+    dist.all_gather_object(maps, weight_map)
+    if dist.get_rank() == 0:
+        merged = {k: v for m in maps for k, v in m.items()}
+        files = sorted(set(merged.values()))
+        if len(files) == 1:
+            (tmp / files[0]).rename(tmp / "model.safetensors")
+        else:
+            total = sum((tmp / f).stat().st_size for f in files)
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(merged.items()))}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        for name, path in hf_side_files(Path(tokenizer_dir)).items():
+            shutil.copyfile(path, tmp / name)
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps({**hf_config, "dtype": dtype}, indent=2))
+        old = dst.with_name(dst.name + ".old")
+        if dst.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            dst.rename(old)
+        tmp.rename(dst)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return dst
