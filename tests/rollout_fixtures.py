@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from megatron_async.models.tiny import build_tiny_llama, build_tokenizer, default_corpus
+from megatron_async.models.tiny import TinyLlamaSpec, build_tiny_llama, build_tokenizer, default_corpus
 from megatron_async.rollout import ReplicaSpec
 
 LOGPROB_TOL = 1e-3  # fp32 vLLM vs transformers, max |diff| (measured ~5e-7 on these models)
@@ -20,6 +20,35 @@ def build_models(root: Path, seeds=(0, 1, 2)) -> list[Path]:
     """One tokenizer and a tiny LLaMA checkpoint per seed; returns the checkpoint dirs."""
     tok = build_tokenizer(default_corpus(300), root / "tok", vocab_size=300)
     return [build_tiny_llama(root / f"model{s}", tok, seed=s) for s in seeds]
+
+
+def build_variants(root: Path) -> dict[str, Path]:
+    """Architecture variants the weight sync must handle, with head_dim 32 (vLLM's CPU attention
+    rejects the head_dim 16 of conftest's `tiny_ckpts`): GQA, tied embeddings, llama3 RoPE scaling,
+    and Qwen2 (q/k/v biases, made non-zero). 2 layers, hidden 128, 4 heads / 2 KV groups."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = build_tokenizer(default_corpus(300), root / "tok", vocab_size=300)
+    small = dict(hidden_size=128, intermediate_size=192, num_hidden_layers=2)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    out = {
+        "gqa": build_tiny_llama(root / "gqa", tok, TinyLlamaSpec(**small), seed=1),
+        "tied": build_tiny_llama(root / "tied", tok, TinyLlamaSpec(**small, tie_word_embeddings=True), seed=2),
+        "llama3": build_tiny_llama(root / "llama3", tok, TinyLlamaSpec(**small, rope_scaling=llama3), seed=3),
+    }
+    cfg = Qwen2Config(vocab_size=320, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **small)
+    torch.manual_seed(4)
+    model = Qwen2ForCausalLM(cfg).float()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    model.save_pretrained(str(root / "qwen2"))
+    tok.save_pretrained(str(root / "qwen2"))
+    out["qwen2"] = root / "qwen2"
+    return out
 
 
 def state_dict(model_dir: Path) -> dict[str, torch.Tensor]:

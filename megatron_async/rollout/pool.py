@@ -44,6 +44,12 @@ from typing import Sequence
 from megatron_async.rollout.replica import LOOPBACK, ReplicaClient, ReplicaError, ReplicaSpec, Sampling, launch_config
 
 
+TORCHRUN_VARS = {
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+}
+
+
 class PoolError(RuntimeError):
     """The pool cannot go on: a replica failed too often, could not start, or no work finished in time."""
 
@@ -193,7 +199,10 @@ class ReplicaPool:
     def _launch(self, rep: _Replica) -> None:
         ready = self.log_dir / f"replica{rep.id}.ready"
         ready.unlink(missing_ok=True)
-        env = {**os.environ, **self.env}
+        # NOTE: a pool owned by a torchrun rank must not hand its rendezvous variables (RANK,
+        # MASTER_PORT, ...) to the replica, whose vLLM sets up its own torch.distributed world.
+        env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+        env.update(self.env)
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.devices[rep.id]
         with open(rep.log_path, "ab") as log:

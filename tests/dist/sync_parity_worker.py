@@ -1,0 +1,133 @@
+"""Worker for tests/test_sync_parity.py: megatron learner -> weight sync -> vLLM, logprob parity.
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist/sync_parity_worker.py OUT MODEL_DIR...
+
+Per model, rank 0 starts a one-replica ReplicaPool (as the trainer's driver rank would) and
+broadcasts its addresses and authkey. Then, for each layout TP=1 (x DP=2), TP=2 and PP=2, the
+learner is built from the HF checkpoint and runs ROUNDS rounds of: (from round 1 on) one Adam
+step, so the weights really change -> every stage's source rank pushes `iter_hf_weights` with a
+WeightSender (the other ranks iterate along for the gathers) -> rank 0 samples from vLLM ->
+every rank computes the learner's logprobs of the sampled tokens. Rank 0 writes OUT/parity.json:
+one row per (model, layout, round) with vLLM-vs-learner max |diff|, how much the step moved the
+previous round's logprobs, and how many replicas published the version.
+"""
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (tp, pp) on 2 ranks
+ROUNDS = 3
+PROMPT_LEN, NEW_TOKENS, N = 4, 12, 2
+
+
+def nll(logprobs, mb):
+    mask = mb["loss_mask"]
+    return -(logprobs * mask).sum() / mask.sum(), {}
+
+
+def microbatch(sequences: list[list[int]]) -> dict:
+    ids = torch.tensor(sequences)
+    mask = torch.zeros_like(ids, dtype=torch.float32)
+    mask[:, PROMPT_LEN:] = 1.0
+    return {"input_ids": ids, "loss_mask": mask}
+
+
+def run_layout(model_dir: Path, tp: int, pp: int, pool, addresses, authkey, first_version: int) -> list[dict]:
+    from megatron.core import parallel_state as ps
+
+    from megatron_async.learner.logprobs import compute_logprobs
+    from megatron_async.learner.model import build_model
+    from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
+    from megatron_async.learner.parallel import init_parallel
+    from megatron_async.rollout import Sampling
+    from megatron_async.weights.mapping import iter_hf_weights, load_hf_weights
+    from megatron_async.weights.sync import WeightSender
+
+    init_parallel(tp, pp)
+    chunks = build_model(model_dir)
+    load_hf_weights(chunks, model_dir)
+    ddp, opt, sched = build_optimizer(chunks, OptimSettings(lr=1e-2, clip_grad=1.0))
+    source = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    sender = WeightSender(addresses, authkey, timeout_s=60, bucket_bytes=256 << 10) if source else None
+    vocab = chunks[0].arch.vocab_size
+    g = torch.Generator().manual_seed(first_version)
+    prompts = torch.randint(3, vocab, (4, PROMPT_LEN), generator=g).tolist()
+    rows, prev = [], None
+    for rnd in range(ROUNDS):
+        version = first_version + rnd
+        if rnd:
+            train_step(ddp, opt, sched, [microbatch(torch.randint(3, vocab, (4, PROMPT_LEN + NEW_TOKENS), generator=g).tolist())], nll)
+        named = iter_hf_weights(ddp)
+        if source:
+            sync = sender.push(version, ps.get_pipeline_model_parallel_rank(), pp, named)
+        else:
+            sync = {}
+            for _ in named:  # no-op loop on non-source ranks; they take part in the TP gathers
+                pass
+        dist.barrier()
+        payload = [None]
+        if dist.get_rank() == 0:
+            records = pool.generate(prompts, Sampling(n=N, max_tokens=NEW_TOKENS, ignore_eos=True, seed=rnd))
+            payload = [[(list(r.prompt_token_ids) + list(r.token_ids), list(r.logprobs), r.policy_version) for r in records]]
+        dist.broadcast_object_list(payload, src=0)
+        seqs = [s for s, _, _ in payload[0]]
+        vllm_lp = torch.tensor([lp for _, lp, _ in payload[0]])
+        learner_lp = compute_logprobs(ddp, [microbatch(seqs)])[0][:, PROMPT_LEN:]
+        published = torch.tensor([float(sync.get("completed", 0))])
+        dist.all_reduce(published)  # replicas that published `version`: only the last stage to end does
+        moved = None
+        if prev is not None:  # the step changed the policy: previous tokens' logprobs moved
+            moved = (compute_logprobs(ddp, [microbatch(prev[0])])[0][:, PROMPT_LEN:] - prev[1]).abs().max().item()
+        prev = (seqs, vllm_lp)
+        rows.append({
+            "model": model_dir.name, "tp": tp, "pp": pp, "round": rnd, "version": version,
+            "record_versions": sorted({v for _, _, v in payload[0]}), "records": len(seqs),
+            "max_diff": (learner_lp - vllm_lp).abs().max().item(), "moved": moved,
+            "published": int(published.item()), "buckets": sync.get("buckets"),
+        })
+    if sender is not None:
+        sender.close()
+    ps.destroy_model_parallel()
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("out", type=Path)
+    p.add_argument("models", nargs="+", type=Path)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    from megatron_async.learner.parallel import destroy_parallel, init_parallel
+    from megatron_async.rollout import ReplicaPool, ReplicaSpec
+
+    init_parallel(1, 1)  # the default process group; each layout re-initialises megatron's groups
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    rows = []
+    try:
+        for model_dir in a.models:
+            pool, info = None, [None, None]
+            if dist.get_rank() == 0:
+                pool = ReplicaPool(ReplicaSpec(model=str(model_dir), kv_cache_bytes=64 << 20, max_model_len=256), 1,
+                                   log_dir=a.out / f"logs-{model_dir.name}").start()
+                info = [pool.addresses, pool.authkey]
+            dist.broadcast_object_list(info, src=0)
+            try:
+                for i, (tp, pp) in enumerate(LAYOUTS):
+                    rows += run_layout(model_dir, tp, pp, pool, info[0], info[1], first_version=1 + i * ROUNDS)
+            finally:
+                if pool is not None:
+                    pool.stop()
+        if dist.get_rank() == 0:
+            a.out.mkdir(parents=True, exist_ok=True)
+            (a.out / "parity.json").write_text(json.dumps(rows, indent=1))
+    finally:
+        destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()
