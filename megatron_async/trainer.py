@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -28,14 +27,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_async import algorithms, batching
+from megatron_async import algorithms, batching, faults
 from megatron_async.config import Config, flatten, save_config
+from megatron_async.cpu_affinity import replica_pin_env
 from megatron_async.producer import RolloutBatch, RolloutProducer
 from megatron_async.tracking import build_tracker
 
 log = logging.getLogger(__name__)
-
-CRASH_ENV = "MEGATRON_ASYNC_CRASH_AFTER_CHECKPOINT"  # "N": SIGKILL self right after checkpoint step_N
 
 
 # ----------------------------------------------------------------------------- set-up helpers
@@ -96,6 +94,7 @@ class Trainer:
     authkey: bytes = b""
     start_step: int = 0
     version: int = 0  # policy version of the learner's weights = learner steps done
+    bad_steps: int = 0  # consecutive steps skipped for NaN/inf
     history: list = dataclasses.field(default_factory=list)  # per-step metrics (rank 0), for plots
     data_state: dict = dataclasses.field(default_factory=dict)  # prompt position after the last trained batch
     resumed_buffer: list = dataclasses.field(default_factory=list)  # rank 0: batches from a checkpoint
@@ -185,7 +184,8 @@ class Trainer:
                                kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)), seed=cfg.run.seed)
             self.pool = ReplicaPool(spec, r.num_replicas, host=r.host, authkey=r.token or None,
                                     log_dir=cfg.run_dir / "replicas", request_timeout_s=r.generate_timeout_s,
-                                    max_failures=r.max_replica_failures, env=replica_env()).start()
+                                    max_failures=r.max_replica_failures,
+                                    env={**replica_env(), **replica_pin_env(r.replica_cpus)}).start()
             box = [(self.pool.addresses, self.pool.authkey)]
         else:
             box = [None]
@@ -202,6 +202,7 @@ class Trainer:
             self.producer = RolloutProducer(self._make_batch, cfg.rollout.max_lag, last_batch=t.steps - 1,
                                             first_batch=self.start_step, synced_version=self.start_step,
                                             ready=self.resumed_buffer).start()
+        t_prev = time.monotonic()  # timing/step_wall_s: the steps phase only (no set-up, SFT, eval)
         for step in range(self.start_step, t.steps):
             t_wait = time.monotonic()
             batch = self._wait_for(lambda: self.producer.poll(step))
@@ -220,12 +221,18 @@ class Trainer:
             metrics.update({"timing/learner_idle_s": learner_idle, "timing/train_s": train_seconds,
                             "timing/sync_s": sync["seconds"], "weight_sync/gb_per_s": sync["gb_per_s"],
                             "timing/generation_s": batch.gen_seconds, "timing/reward_s": batch.score_seconds})
+            metrics["timing/step_wall_s"], t_prev = time.monotonic() - t_prev, time.monotonic()
             self.data_state = batch.data_state
             self.log_step(step, batch, metrics)
             if (t.checkpoint_every and (step + 1) % t.checkpoint_every == 0) or step + 1 == t.steps:
                 save_run_checkpoint(self, next_step=step + 1)
-                if os.environ.get(CRASH_ENV) == str(step + 1):  # fault injection (tests): die like a kill -9
-                    os.kill(os.getpid(), signal.SIGKILL)
+                faults.crash_after_checkpoint(step + 1)
+            self.bad_steps = self.bad_steps + 1 if metrics.get("train/skipped", 0.0) > 0 else 0
+            if self.bad_steps >= t.max_bad_steps:
+                path = save_run_checkpoint(self, next_step=step + 1)
+                raise RuntimeError(f"{self.bad_steps} consecutive learner steps had NaN/inf loss or gradients "
+                                   f"(steps {step + 1 - self.bad_steps}..{step}; trainer.max_bad_steps="
+                                   f"{t.max_bad_steps}); stopping. The last good weights are in {path}")
         after = self.evaluate("after")
         self.finish(before, after)
 
@@ -242,6 +249,11 @@ class Trainer:
                             title=f"{self.cfg.run.name}: {self.cfg.trainer.algorithm}, max_lag={self.cfg.rollout.max_lag}")
         self.tracker.log_artifact(png)
         self.tracker.log_artifact(self.cfg.run_dir / "config.yaml")
+        import json
+
+        from megatron_async.io_utils import atomic_write_text
+
+        atomic_write_text(self.cfg.run_dir / "history.json", json.dumps(self.history, indent=0))  # for `bench`
         if before is not None:
             print(f"pass@1 on {len(self.eval_prompts)} held-out problems: before {before:.3f} -> after {after:.3f}")
         elif after is not None:
@@ -287,6 +299,8 @@ class Trainer:
             return metrics
         per_minibatch = self._split_rows(rows, t.minibatches, pairwise=t.algorithm in algorithms.PAIRWISE)
         loss_fn = algorithms.make_loss_fn(t.algorithm, t.beta, t.dpo_loss, t.clip_eps)
+        if faults.nan_loss_at(step):
+            loss_fn = poisoned(loss_fn)
         minibatches = []
         for part in per_minibatch:
             mbs = algorithms.build_microbatches(t.algorithm, part, self.tokenizer.pad_token_id, t.micro_batch_size,
@@ -402,6 +416,14 @@ class Trainer:
         if self.pool is not None:
             self.pool.stop()
         self.tracker.close()
+
+
+def poisoned(loss_fn):
+    """Fault injection: the same loss, times NaN (see faults.py)."""
+    def nan_loss(logprobs, mb):
+        loss, metrics = loss_fn(logprobs, mb)
+        return loss * float("nan"), metrics
+    return nan_loss
 
 
 def replica_env() -> dict[str, str]:

@@ -7,6 +7,7 @@ Gradients are clipped to `clip_grad` (global norm over all TP/PP/DP shards) befo
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -99,7 +100,8 @@ def train_step(ddp_chunks: list, optimizer, scheduler, microbatches: list[dict],
     """One optimizer step over `microbatches` (gradient accumulation across them).
 
     Returns the loss metrics of `forward_backward` plus "grad_norm" (before clipping), "lr" (the
-    LR used for this step) and "skipped" (1.0 if the optimizer refused the step, e.g. a NaN grad),
+    LR used for this step) and "skipped" (1.0 if the step was not taken: NaN/inf loss or gradient
+    norm, in which case neither the weights, the optimizer state nor the LR schedule change),
     on every rank.
     """
     for chunk in ddp_chunks:
@@ -107,7 +109,14 @@ def train_step(ddp_chunks: list, optimizer, scheduler, microbatches: list[dict],
     optimizer.zero_grad()
     metrics = forward_backward(ddp_chunks, microbatches, loss_fn)
     lr = optimizer.param_groups[0]["lr"]
-    ok, grad_norm, _ = optimizer.step()
+    # NOTE: megatron's fp32 optimizer steps on NaN/inf gradients (only the fp16 loss scaler checks),
+    # which would poison the weights. The loss is the same on every rank (broadcast) and the norm
+    # is all-reduced, so every rank takes the same decision.
+    grad_norm = float(optimizer.get_grad_norm())
+    if not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm)):
+        metrics.update(grad_norm=grad_norm, lr=float(lr), skipped=1.0)
+        return metrics
+    ok, clipped_norm, _ = optimizer.step()
     scheduler.step(increment=1)
-    metrics.update(grad_norm=float(grad_norm or 0.0), lr=float(lr), skipped=0.0 if ok else 1.0)
+    metrics.update(grad_norm=float(clipped_norm or grad_norm), lr=float(lr), skipped=0.0 if ok else 1.0)
     return metrics
