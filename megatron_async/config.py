@@ -58,6 +58,9 @@ class ParallelConfig:
     pp: int = 1  # learner pipeline-parallel size
     # world size (learner ranks); 0 = take WORLD_SIZE from torchrun. DP = world / (tp * pp).
     world_size: int = 0
+    # CPU ids for the learner ranks ("0", "0-3", "0,2"; split evenly over local ranks when there
+    # are enough): sched_setaffinity + torch threads. "" = no pinning. See cpu_affinity.py.
+    learner_cpus: int | str = ""
 
 
 @dataclass
@@ -89,6 +92,9 @@ class RolloutConfig:
     sync_bucket_mb: int = 64  # weight sync bucket cap (MB)
     sync_timeout_s: float = 120.0  # a weight sync slower than this fails loudly
     generate_timeout_s: float = 600.0  # a generation chunk slower than this fails the replica
+    # CPU ids every replica process pins itself to ("1", "2-3"); "" = no pinning (if the learner
+    # is pinned, replicas get the CPUs the learner had before pinning). See cpu_affinity.py.
+    replica_cpus: int | str = ""
 
 
 @dataclass
@@ -232,7 +238,12 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], key, source)
+        for option in inner[:-1]:  # the first type that accepts the value, as declared
+            try:
+                return _coerce(value, option, key, source)
+            except ConfigError:
+                pass
+        return _coerce(value, inner[-1], key, source)
     if hint is bool:
         if not isinstance(value, bool):
             raise bad
@@ -316,10 +327,25 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _require(heads % groups == 0, "model.tiny_kv_heads", groups, f"must divide model.tiny_heads ({heads})")
     _require(heads % par.tp == 0, "parallel.tp", par.tp, f"must divide the number of attention heads ({heads})")
     _require(groups % par.tp == 0, "parallel.tp", par.tp, f"must divide the number of query groups / KV heads ({groups})")
+    _validate_cpu_lists(par.learner_cpus, r.replica_cpus)
     world = world_size if world_size is not None else par.world_size
     if world:
         _require(world % (par.tp * par.pp) == 0, "parallel.world_size", world,
                  f"must be a multiple of tp x pp = {par.tp} x {par.pp} = {par.tp * par.pp}")
+
+
+def _validate_cpu_lists(learner_cpus: str, replica_cpus: str) -> None:
+    from megatron_async.cpu_affinity import available_cpus, format_cpu_list, parse_cpu_list
+
+    have = available_cpus()
+    for key, text in (("parallel.learner_cpus", learner_cpus), ("rollout.replica_cpus", replica_cpus)):
+        try:
+            cpus = parse_cpu_list(text)
+        except ValueError as e:
+            raise ConfigError(f"key '{key}' = {text!r}: {e}") from None
+        missing = [c for c in cpus if c not in have]
+        _require(not missing, key, text, f"CPU(s) {format_cpu_list(missing)} do not exist here "
+                 f"(this machine has CPUs 0-{max(have)}; '' = no pinning)")
 
 
 def _require_dir(path: str, key: str) -> None:

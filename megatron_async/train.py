@@ -36,6 +36,9 @@ def main(cfg, config_path: str, overrides: list[str], nproc: int | None = None) 
     except ConfigError as e:
         print(f"megatron-async: config error: {e}", file=sys.stderr)
         return 2
+    from megatron_async.cpu_affinity import pin_learner
+
+    pin_learner(cfg.parallel.learner_cpus)  # before any torch thread pool exists; replicas re-pin
     trainer = None
     try:
         trainer = Trainer.build(cfg)

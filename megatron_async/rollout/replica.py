@@ -382,6 +382,9 @@ def _watch_parent(parent_pid: int) -> None:
 
 def main() -> None:
     """Entry point: read the launch config from stdin, build the engine, serve until shutdown."""
+    from megatron_async.cpu_affinity import pin_replica_from_env
+
+    pin_replica_from_env()  # rollout.replica_cpus: before any thread starts (threads inherit it)
     launch = json.loads(sys.stdin.read())
     threading.Thread(target=_watch_parent, args=(launch["parent_pid"],), daemon=True).start()
     import torch
