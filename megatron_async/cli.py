@@ -6,6 +6,7 @@
     megatron-async convert hf-to-megatron HF_DIR OUT_DIR --tp 2 --pp 2
     megatron-async config configs/cpu_tiny.yaml trainer.lr=1e-6      # validate + print resolved
     megatron-async bench async configs/cpu_tiny.yaml
+    megatron-async placement cfg.yaml placement.nnodes=2 placement.gpus_per_node=8 --node-rank 1
 
 Config overrides are `section.key=value` words after the config file; values are parsed as YAML
 (`trainer.lr=1e-6`, `rollout.stop=["\\n"]`).
@@ -22,6 +23,7 @@ SUBCOMMANDS = {
     "convert": "HF <-> Megatron checkpoint conversion (hf-to-megatron, megatron-to-hf)",
     "bench": "benchmarks: async vs sync speedup, off-policy sweep, rollout/sync throughput",
     "config": "validate a config with overrides and print the resolved YAML",
+    "placement": "print one node's GPU layout as shell variables (NPROC_PER_NODE, ...) for launch/ scripts",
 }
 
 
@@ -52,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("convert", help=SUBCOMMANDS["convert"], description=SUBCOMMANDS["convert"], add_help=False)
     sub.add_parser("bench", help=SUBCOMMANDS["bench"], description=SUBCOMMANDS["bench"], add_help=False)
     with_config(sub.add_parser("config", help=SUBCOMMANDS["config"], description=SUBCOMMANDS["config"]))
+    pl = with_config(sub.add_parser("placement", help=SUBCOMMANDS["placement"], description=SUBCOMMANDS["placement"]))
+    pl.add_argument("--node-rank", type=int, required=True, help="torchrun --node-rank of this node")
     return parser
 
 
@@ -100,12 +104,39 @@ def main(argv: list[str] | None = None) -> int:
             nested.setdefault(section, {})[leaf] = value
         print(yaml.safe_dump(nested, sort_keys=False), end="")
         return 0
+    if args.command == "placement":
+        return _print_placement(cfg, args.node_rank)
     if args.command == "train":
         return _load("megatron_async.train", "train").main(cfg, args.config, args.overrides, nproc=args.nproc)
     if args.command == "eval":
         return _load("megatron_async.evaluate", "eval").main(cfg, checkpoint=args.checkpoint, data=args.data,
                                                              output=args.output)
     raise AssertionError(args.command)
+
+
+def _print_placement(cfg, node_rank: int) -> int:
+    """Shell assignments for one node (launch scripts `eval` them): how many learner ranks, which GPUs."""
+    from megatron_async.config import ConfigError
+    from megatron_async.placement import check_fit
+
+    p = cfg.placement
+    if not p.gpus_per_node:
+        print("megatron-async: config error: key 'placement.gpus_per_node' = 0: set it (the GPUs of each node)", file=sys.stderr)
+        return 2
+    if not 0 <= node_rank < p.nnodes:
+        print(f"megatron-async: --node-rank {node_rank} is not in [0, placement.nnodes={p.nnodes})", file=sys.stderr)
+        return 2
+    try:
+        layouts = check_fit(cfg, p.gpus_per_node, cfg.parallel.world_size or None)
+    except ConfigError as e:
+        print(f"megatron-async: config error: {e}", file=sys.stderr)
+        return 2
+    node = layouts[node_rank]
+    print(f"NPROC_PER_NODE={len(node.learner)}")
+    print(f"LEARNER_GPUS={','.join(map(str, node.learner))}")
+    print(f"REPLICA_GPUS={','.join(str(i) for ids in node.replicas for i in ids)}")
+    print(f"WORLD_SIZE={sum(len(n.learner) for n in layouts)}")
+    return 0
 
 
 if __name__ == "__main__":

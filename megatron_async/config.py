@@ -28,6 +28,9 @@ ALGORITHMS = ("online_dpo", "ppo", "rloo", "proximal_rloo", "best_of_k_sft")
 _FLOAT_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
+TOKEN_ENV = "MEGATRON_ASYNC_ROLLOUT_TOKEN"  # rollout.token when the config leaves it empty
+
+
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key and the value."""
 
@@ -87,7 +90,12 @@ class RolloutConfig:
     stop: list = field(default_factory=list)  # stop strings
     kv_cache_gib: float = 1.0  # vLLM KV cache per replica (required on CPU)
     host: str = "127.0.0.1"  # replica control endpoints bind here
-    token: str = ""  # auth token; generated when empty; required if host is not loopback
+    # first replica port (replica i binds base_port + i; fixed ports for firewalls between nodes);
+    # 0 = each replica binds a free port
+    base_port: int = 0
+    # auth token; generated when empty; required if host is not loopback. When empty, read from
+    # $MEGATRON_ASYNC_ROLLOUT_TOKEN (launch scripts use it: a command line is visible in `ps`)
+    token: str = ""
     max_replica_failures: int = 3  # restarts before the run stops with an error
     sync_bucket_mb: int = 64  # weight sync bucket cap (MB)
     sync_timeout_s: float = 120.0  # a weight sync slower than this fails loudly
@@ -139,6 +147,23 @@ class RewardConfig:
 
 
 @dataclass
+class PlacementConfig:
+    """Where learner ranks and replicas run; see megatron_async/placement.py and README "Multi-node"."""
+
+    nnodes: int = 1  # nodes in the job (torchrun --nnodes); learner ranks run on every node
+    # node rank hosting the vLLM replicas. Only 0: they are subprocesses of global rank 0, which a
+    # static torchrun rendezvous (--node-rank) puts on node 0.
+    replica_node: int = 0
+    gpus_per_node: int = 0  # GPUs per node; 0 = detect at launch. Ignored without CUDA.
+    # CUDA ids of the learner ranks on each node (local rank i -> learner_gpus[i]); "auto" = every
+    # GPU of the node that is not a replica GPU (so the replica node may run fewer learner ranks)
+    learner_gpus: list | str = "auto"
+    # CUDA ids for the replicas on the replica node, rollout.replica_tp consecutive ids per replica;
+    # "auto" = the node's last num_replicas x replica_tp GPUs
+    replica_gpus: list | str = "auto"
+
+
+@dataclass
 class TrackingConfig:
     # MLflow tracking URI; empty = embedded SQLite store at <run dir>/mlflow.db
     uri: str = ""
@@ -158,6 +183,7 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -190,6 +216,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         except yaml.YAMLError:
             value = raw
         _set_dotted(cfg, key.strip(), value, source="command line")
+    if not cfg.rollout.token:
+        cfg.rollout.token = os.environ.get(TOKEN_ENV, "")
     validate(cfg)
     return cfg
 
@@ -312,6 +340,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(r.sync_bucket_mb >= 1, "rollout.sync_bucket_mb", r.sync_bucket_mb, "must be >= 1")
     _require(r.prompts_per_step % t.minibatches == 0, "trainer.minibatches", t.minibatches,
              f"must divide rollout.prompts_per_step ({r.prompts_per_step})")
+    _require(r.base_port == 0 or 1024 <= r.base_port <= 65535 - r.num_replicas, "rollout.base_port", r.base_port,
+             f"must be 0 (free ports) or in [1024, {65535 - r.num_replicas}] (replica i binds base_port + i)")
     if r.host not in ("127.0.0.1", "localhost", "::1"):
         _require(bool(r.token), "rollout.token", "", f"rollout.host={r.host!r} is not loopback: set a token")
     if cfg.reward.kind == "reward_model":
@@ -332,6 +362,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if world:
         _require(world % (par.tp * par.pp) == 0, "parallel.world_size", world,
                  f"must be a multiple of tp x pp = {par.tp} x {par.pp} = {par.tp * par.pp}")
+    from megatron_async import placement  # it imports this module: import here, not at the top
+
+    placement.check_static(cfg)
+    if cfg.placement.gpus_per_node:  # known before launch: the whole GPU layout must fit
+        placement.check_fit(cfg, cfg.placement.gpus_per_node, world or None)
 
 
 def _validate_cpu_lists(learner_cpus: str, replica_cpus: str) -> None:

@@ -17,6 +17,13 @@ import sys
 
 def main(cfg, config_path: str, overrides: list[str], nproc: int | None = None) -> int:
     ranks = nproc or cfg.parallel.world_size or cfg.parallel.tp * cfg.parallel.pp
+    if nproc is None and cfg.placement.nnodes == 1 and "LOCAL_RANK" not in os.environ:
+        import torch
+
+        if torch.cuda.is_available():  # one GPU node: a learner rank per learner GPU (placement.*)
+            from megatron_async.placement import nproc_per_node
+
+            ranks = nproc_per_node(cfg, 0, torch.cuda.device_count())
     if ranks > 1 and "LOCAL_RANK" not in os.environ:
         from megatron_async.learner.parallel import free_port
 
@@ -29,10 +36,12 @@ def main(cfg, config_path: str, overrides: list[str], nproc: int | None = None) 
 
     from megatron_async.config import ConfigError, validate
     from megatron_async.learner.parallel import destroy_parallel
+    from megatron_async.placement import check_runtime as check_placement
     from megatron_async.trainer import Trainer
 
     try:
         validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        check_placement(cfg)  # torchrun's node and rank counts against placement.*
     except ConfigError as e:
         print(f"megatron-async: config error: {e}", file=sys.stderr)
         return 2

@@ -113,7 +113,9 @@ class Trainer:
         from megatron_async.learner.parallel import init_parallel
         from megatron_async.weights.mapping import load_hf_weights
 
-        layout = init_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.run.seed)
+        from megatron_async.placement import learner_device_index
+
+        layout = init_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.run.seed, device_index=learner_device_index(cfg))
         ctrl = dist.new_group(backend="gloo")
         if layout.rank == 0:
             cfg.run_dir.mkdir(parents=True, exist_ok=True)
@@ -166,9 +168,14 @@ class Trainer:
 
     def _start_rollout(self) -> None:
         """Rank 0 starts the replicas and the producer; every rank learns where the replicas are."""
+        import socket
+
+        from megatron_async.placement import check_reachable
+
         cfg = self.cfg
         if self.rank0:
             from megatron_async.data.iterator import PromptIterator
+            from megatron_async.placement import replica_devices
             from megatron_async.rollout.pool import ReplicaPool
             from megatron_async.rollout.replica import ReplicaSpec
 
@@ -184,13 +191,15 @@ class Trainer:
                                kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)), seed=cfg.run.seed)
             self.pool = ReplicaPool(spec, r.num_replicas, host=r.host, authkey=r.token or None,
                                     log_dir=cfg.run_dir / "replicas", request_timeout_s=r.generate_timeout_s,
-                                    max_failures=r.max_replica_failures,
+                                    max_failures=r.max_replica_failures, base_port=r.base_port,
+                                    devices=replica_devices(cfg),  # None on CPU
                                     env={**replica_env(), **replica_pin_env(r.replica_cpus)}).start()
-            box = [(self.pool.addresses, self.pool.authkey)]
+            box = [(self.pool.addresses, self.pool.authkey, socket.gethostname())]
         else:
             box = [None]
         dist.broadcast_object_list(box, src=0, group=self.ctrl)
-        self.replica_addresses, self.authkey = box[0]
+        self.replica_addresses, self.authkey, pool_host = box[0]
+        check_reachable(pool_host, self.replica_addresses)  # loopback replicas seen from another machine
 
     # -- the loop -----------------------------------------------------------------------------------
     def train(self) -> None:

@@ -55,12 +55,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_minutes: int = 30) -> ParallelLayout:
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_minutes: int = 30,
+                  device_index: int | None = None) -> ParallelLayout:
     """Initialise torch.distributed from the torchrun environment and megatron's TP/PP/DP groups.
 
     Seeds python, numpy and torch (offset by PP rank, as Megatron does, so stages differ) and the
     megatron RNG tracker (`model_parallel_cuda_manual_seed`: per-TP-rank streams for dropout in
     tensor-parallel regions). Raises ValueError when tp * pp does not divide the world size.
+    `device_index`: this rank's CUDA device (placement.learner_gpus); default LOCAL_RANK.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -79,9 +81,9 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_minutes: i
 
     cuda = torch.cuda.is_available()
     if cuda:
-        local_rank = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        index = int(os.environ["LOCAL_RANK"]) if device_index is None else device_index
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
     else:
         cpu_shims.apply()
         device = torch.device("cpu")

@@ -1,0 +1,194 @@
+"""Placement: which node runs the vLLM replicas, and which GPUs the learner ranks and replicas use.
+
+The one supported layout (see README "Multi-node" and docs/scaling.md):
+
+- torchrun starts the learner ranks on every node of the job with a *static* rendezvous
+  (`--nnodes N --node-rank R --master-addr HOST0`), so global rank 0 is local rank 0 of node 0.
+- Global rank 0 owns the `ReplicaPool` (replicas are its subprocesses) and the rollout producer,
+  so the replicas run on node 0: `placement.replica_node` must be 0. (Putting them elsewhere would
+  mean moving the pool, the producer and the control broadcasts off rank 0; not done, refused.)
+- On node 0 the GPUs are split: `placement.replica_gpus` for the replicas (`rollout.replica_tp`
+  consecutive ids each, vLLM's own tensor parallelism), `placement.learner_gpus` for the learner
+  ranks; other nodes give all their GPUs (or `learner_gpus`) to the learner. With "auto" the
+  learner rank count may differ per node (torchrun supports that); `megatron-async placement`
+  prints each node's `--nproc-per-node` for the launch scripts.
+- Learner local rank i uses `learner(node)[i]`; replica j gets `CUDA_VISIBLE_DEVICES` = its ids.
+  Ids are CUDA indices as this process sees them (i.e. within CUDA_VISIBLE_DEVICES if the launcher
+  set it); replica ids are translated back to the parent's CUDA_VISIBLE_DEVICES entries.
+- Weight sync connects from each pipeline stage's source rank (TP rank 0, DP rank 0) to every
+  replica. If such a rank is on another node, the replicas must bind a routable `rollout.host`
+  (which requires `rollout.token`); loopback works only when all senders share node 0.
+
+Without CUDA, GPU lists are ignored (the CPU test runs two "nodes" on one machine).
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from megatron_async.config import Config, ConfigError
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    learner: list[int]  # CUDA ids; learner local rank i -> learner[i]
+    replicas: list[list[int]]  # per replica: its rollout.replica_tp CUDA ids (empty off the replica node)
+
+
+def _ids(cfg: Config, key: str) -> list[int] | None:
+    """The id list of placement.<key>, or None for "auto"; checks ints >= 0 without duplicates."""
+    value = getattr(cfg.placement, key)
+    if value == "auto":
+        return None
+    full = f"placement.{key}"
+    if isinstance(value, str):
+        raise ConfigError(f"key '{full}' = {value!r}: expected a list of CUDA device ids or \"auto\"")
+    if not value or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+        raise ConfigError(f"key '{full}' = {value!r}: expected a non-empty list of CUDA device ids (ints >= 0)")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"key '{full}' = {value!r}: a device id is listed twice")
+    return list(value)
+
+
+def check_static(cfg: Config) -> None:
+    """Checks that need no GPU count: node numbers, id lists, explicit overlap (called by validate)."""
+    p, r = cfg.placement, cfg.rollout
+    if p.nnodes < 1:
+        raise ConfigError(f"key 'placement.nnodes' = {p.nnodes}: must be >= 1")
+    if not 0 <= p.replica_node < p.nnodes:
+        raise ConfigError(f"key 'placement.replica_node' = {p.replica_node}: must be a node rank in [0, {p.nnodes})")
+    if p.replica_node != 0:
+        raise ConfigError(
+            f"key 'placement.replica_node' = {p.replica_node}: only 0 is supported. The replicas are "
+            "subprocesses of global learner rank 0 (which owns the pool and the rollout producer), and a "
+            "static torchrun rendezvous puts rank 0 on node rank 0: give the node that should host the "
+            "replicas --node-rank 0 instead")
+    if p.gpus_per_node < 0:
+        raise ConfigError(f"key 'placement.gpus_per_node' = {p.gpus_per_node}: must be >= 0 (0 = detect)")
+    learner, replica = _ids(cfg, "learner_gpus"), _ids(cfg, "replica_gpus")
+    need = r.num_replicas * r.replica_tp
+    if replica is not None and len(replica) < need:
+        raise ConfigError(
+            f"key 'placement.replica_gpus' = {replica}: {len(replica)} GPUs cannot hold rollout.num_replicas x "
+            f"rollout.replica_tp = {r.num_replicas} x {r.replica_tp} = {need}")
+    if learner is not None and replica is not None and set(learner) & set(replica):
+        raise ConfigError(
+            f"key 'placement.learner_gpus' = {learner}: overlaps placement.replica_gpus = {replica} "
+            f"(GPUs {sorted(set(learner) & set(replica))}); the replica node needs them apart")
+
+
+def node_layout(cfg: Config, node_rank: int, gpus_on_node: int) -> NodeLayout:
+    """The GPU split of node `node_rank`, which has `gpus_on_node` GPUs. Raises ConfigError."""
+    p, r = cfg.placement, cfg.rollout
+    need = r.num_replicas * r.replica_tp
+    learner, replica = _ids(cfg, "learner_gpus"), _ids(cfg, "replica_gpus")
+    for key, ids in (("placement.learner_gpus", learner), ("placement.replica_gpus", replica)):
+        if ids is not None and max(ids) >= gpus_on_node:
+            raise ConfigError(f"key '{key}' = {ids}: node {node_rank} has only {gpus_on_node} GPUs (ids 0..{gpus_on_node - 1})")
+    if node_rank == p.replica_node:
+        if replica is None:  # auto: the last GPUs of the node
+            if need >= gpus_on_node:
+                raise ConfigError(
+                    f"key 'rollout.num_replicas' = {r.num_replicas}: num_replicas x replica_tp = {need} leaves none of "
+                    f"node {node_rank}'s {gpus_on_node} GPUs for the learner (placement.replica_gpus=auto)")
+            replica = list(range(gpus_on_node - need, gpus_on_node))
+        replica = replica[:need]
+        if learner is None:
+            learner = [g for g in range(gpus_on_node) if g not in replica]
+        elif set(learner) & set(replica):
+            raise ConfigError(f"key 'placement.learner_gpus' = {learner}: overlaps the replica GPUs {replica} on node {node_rank}")
+        groups = [replica[i * r.replica_tp:(i + 1) * r.replica_tp] for i in range(r.num_replicas)]
+    else:
+        learner, groups = (learner if learner is not None else list(range(gpus_on_node))), []
+    return NodeLayout(learner=learner, replicas=groups)
+
+
+def check_fit(cfg: Config, gpus_on_node: int, world_size: int | None) -> list[NodeLayout]:
+    """All nodes' layouts; checks the learner rank count and where the weight-sync senders sit."""
+    p, par = cfg.placement, cfg.parallel
+    layouts = [node_layout(cfg, n, gpus_on_node) for n in range(p.nnodes)]
+    ranks = [len(lay.learner) for lay in layouts]
+    total = sum(ranks)
+    if world_size and world_size != total:
+        raise ConfigError(
+            f"key 'parallel.world_size' = {world_size}: the placement gives {' + '.join(map(str, ranks))} = {total} "
+            f"learner GPUs over placement.nnodes={p.nnodes} (placement.learner_gpus={p.learner_gpus!r}, "
+            f"replica_gpus={p.replica_gpus!r}, gpus_per_node={gpus_on_node})")
+    if total % (par.tp * par.pp):
+        raise ConfigError(
+            f"key 'placement.learner_gpus' = {p.learner_gpus!r}: {total} learner GPUs in all is not a multiple of "
+            f"parallel.tp x parallel.pp = {par.tp * par.pp}")
+    if cfg.rollout.host in LOOPBACK_HOSTS:
+        node_of_rank = [n for n, count in enumerate(ranks) for _ in range(count)]  # ranks fill node 0 first
+        for stage in range(par.pp):
+            sender = stage * (total // par.pp)  # megatron order tp-cp-ep-dp-pp: pp varies slowest
+            if node_of_rank[sender] != p.replica_node:
+                raise ConfigError(
+                    f"key 'rollout.host' = {cfg.rollout.host!r}: the weight-sync sender of pipeline stage {stage} "
+                    f"(rank {sender}) is on node {node_of_rank[sender]}, but loopback replicas on node {p.replica_node} "
+                    "are unreachable from there: set rollout.host to node 0's address on the job network (and rollout.token)")
+    return layouts
+
+
+def nproc_per_node(cfg: Config, node_rank: int, gpus_on_node: int) -> int:
+    """Learner ranks torchrun must start on `node_rank` (launch scripts ask `megatron-async placement`)."""
+    return len(check_fit(cfg, gpus_on_node, None)[node_rank].learner)
+
+
+# ----------------------------------------------------------------------------- runtime (under torchrun)
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_runtime(cfg: Config) -> None:
+    """On every learner rank, before building: torchrun's node count and this node's rank count."""
+    p = cfg.placement
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    if nodes != p.nnodes:
+        raise ConfigError(f"key 'placement.nnodes' = {p.nnodes}: torchrun started {nodes} node(s) (--nnodes)")
+    gpus = _gpus()
+    if not gpus:
+        return  # CPU: device lists are ignored
+    if p.gpus_per_node and p.gpus_per_node != gpus:
+        raise ConfigError(f"key 'placement.gpus_per_node' = {p.gpus_per_node}: this node sees {gpus} CUDA devices")
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    want = len(node_layout(cfg, node, gpus).learner)
+    if local != want:
+        raise ConfigError(
+            f"key 'placement.learner_gpus' = {p.learner_gpus!r}: node {node} should start {want} learner ranks "
+            f"(torchrun --nproc-per-node={want}; see `megatron-async placement`), but torchrun started {local}")
+
+
+def learner_device_index(cfg: Config) -> int | None:
+    """CUDA index for this learner rank (LOCAL_RANK-th learner GPU of its node); None on CPU."""
+    gpus = _gpus()
+    if not gpus:
+        return None
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    return node_layout(cfg, node, gpus).learner[int(os.environ.get("LOCAL_RANK", "0"))]
+
+
+def replica_devices(cfg: Config) -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES of each replica (for ReplicaPool(devices=...)) on the replica node; None on CPU."""
+    gpus = _gpus()
+    if not gpus:
+        return None
+    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    name = lambda i: visible[i] if visible else str(i)  # noqa: E731 - index within the parent's view
+    return [",".join(name(i) for i in ids) for ids in node_layout(cfg, cfg.placement.replica_node, gpus).replicas]
+
+
+def check_reachable(pool_host: str, addresses: list) -> None:
+    """Every rank: loopback replica addresses are only reachable from the pool's own machine."""
+    if socket.gethostname() != pool_host and any(a[0] in LOOPBACK_HOSTS for a in addresses):
+        raise ConfigError(
+            f"key 'rollout.host' = {addresses[0][0]!r}: replicas on {pool_host} bind to loopback, unreachable from "
+            f"{socket.gethostname()}: set rollout.host to the replica node's address (and rollout.token)")
