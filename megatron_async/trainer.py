@@ -223,7 +223,9 @@ class Trainer:
 
             # The old weights (version `step`) are still needed for batches up to step + max_lag.
             last_needing_old = min(step + cfg.rollout.max_lag, t.steps - 1)
+            t_wait = time.monotonic()
             self._wait_for(lambda: True if self.producer.generated_through(last_needing_old) else None)
+            metrics["timing/learner_wait_old_s"] = time.monotonic() - t_wait  # idle too: gen of s+lag
             sync = self.push_weights(version=step + 1)
             if self.rank0:
                 self.producer.notify_synced(step + 1)
