@@ -33,17 +33,15 @@ def pass_at_1(pool, tokenizer, prompts, max_new_tokens: int, stop=()) -> dict:
 
 
 def main(cfg, checkpoint: str | None = None, data: str | None = None, output: str | None = None) -> int:
-    from transformers import AutoTokenizer
-
     from megatron_async.io_utils import atomic_write_text
     from megatron_async.rollout.pool import ReplicaPool
-    from megatron_async.trainer import replica_env, replica_spec, tokenized_problems
+    from megatron_async.trainer import load_tokenizer, replica_env, replica_spec, tokenized_problems
 
     model = Path(checkpoint or cfg.model.hf_path)
     if not (model / "config.json").exists():
         print(f"megatron-async eval: {model} is not an HF checkpoint folder (no config.json)", file=sys.stderr)
         return 2
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    tokenizer = load_tokenizer(model)
     prompts, dropped = tokenized_problems(cfg, tokenizer, data or cfg.data.eval, "test", cfg.data.eval_size)
     r = cfg.rollout
     with ReplicaPool(replica_spec(cfg, model), r.num_replicas, host=r.host, authkey=r.token or None, env=replica_env()) as pool:

@@ -61,6 +61,22 @@ def prepare_base_model(cfg: Config) -> Path:
     return out
 
 
+def load_tokenizer(hf_dir: Path):
+    """The checkpoint's tokenizer, checked against its model: every token id must have an embedding."""
+    from transformers import AutoTokenizer
+
+    from megatron_async.learner.model import read_arch
+
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    vocab = read_arch(hf_dir).vocab_size
+    if len(tokenizer) > vocab:
+        raise ValueError(f"{hf_dir}: the tokenizer has {len(tokenizer)} tokens but config.json has vocab_size={vocab}; "
+                         "tokenizer and model do not belong together")
+    if tokenizer.pad_token_id is None:  # padding is masked out everywhere; any id will do
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def tokenized_problems(cfg: Config, tokenizer, source: str, split: str, size: int):
     from megatron_async.data import load_problems, tokenize_prompts
 
@@ -106,8 +122,6 @@ class Trainer:
     # -- building ---------------------------------------------------------------------------------
     @classmethod
     def build(cls, cfg: Config) -> "Trainer":
-        from transformers import AutoTokenizer
-
         from megatron_async.learner.model import build_model
         from megatron_async.learner.optimizer import OptimSettings, build_optimizer
         from megatron_async.learner.parallel import init_parallel
@@ -123,7 +137,7 @@ class Trainer:
             base = prepare_base_model(cfg)
         dist.barrier(group=ctrl)
         base = prepare_base_model(cfg) if layout.rank != 0 else base  # exists now: returns the path
-        tokenizer = AutoTokenizer.from_pretrained(str(base))
+        tokenizer = load_tokenizer(base)
         tracker = build_tracker(cfg, layout.rank)
         if not tracker.resumed:  # MLflow refuses to change a logged param (e.g. run.resume)
             tracker.log_params(flatten(cfg))

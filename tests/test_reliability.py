@@ -25,3 +25,19 @@ def test_nan_step_is_skipped_and_repeated_nans_stop_with_a_checkpoint(tmp_path):
     assert "2 consecutive learner steps had NaN/inf loss or gradients" in proc.stderr
     ckpt = tmp_path / "twice" / "cpu_tiny" / "checkpoints"
     assert (ckpt / "latest").read_text().strip() == "step_000003"
+
+
+def test_tokenizer_that_does_not_fit_the_model_is_refused(tiny_ckpts, tmp_path):
+    import json
+    import shutil
+
+    from megatron_async.trainer import load_tokenizer
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_ckpts["gqa"], bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["vocab_size"] = 64  # the tokenizer has ~300 tokens
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"bad: the tokenizer has \d+ tokens but config.json has vocab_size=64"):
+        load_tokenizer(bad)
+    assert load_tokenizer(tiny_ckpts["gqa"]).pad_token_id is not None
