@@ -55,6 +55,30 @@ def select_samples(algorithm: str, samples: list[batching.Sample], k: int) -> tu
     raise ValueError(f"unknown algorithm {algorithm!r}")
 
 
+def row_unit(algorithm: str, k: int) -> int:
+    """Rows that must stay together: a DPO pair, a group of K for the leave-one-out baseline."""
+    return 2 if algorithm in PAIRWISE else k if algorithm in ("rloo", "proximal_rloo", "ppo") else 1
+
+
+def split_units(rows: list, unit: int, n: int) -> list[list]:
+    """Deal rows out to at most n parts, `unit` consecutive rows at a time (every part non-empty)."""
+    units = [rows[i:i + unit] for i in range(0, len(rows), unit)]
+    n = max(1, min(n, len(units)))
+    return [[r for u in units[i::n] for r in u] for i in range(n)]
+
+
+def dp_shard(rows: list, unit: int, dp: int, dp_rank: int) -> list:
+    """This data-parallel rank's share of `rows` (DDP averages the ranks' gradients).
+
+    With fewer units than ranks every rank takes all rows: the same gradient, just not split
+    (a rank with nothing would have no microbatch to run its collectives on). With an uneven split
+    the DDP average of per-rank means weighs the smaller shards' rows slightly more.
+    """
+    if dp == 1 or len(rows) // unit < dp:
+        return rows
+    return split_units(rows, unit, dp)[dp_rank]
+
+
 def build_microbatches(algorithm: str, rows: list[batching.Sample], pad_id: int, micro_batch_size: int,
                        k: int, beta: float) -> list[dict]:
     """Rows (from `select_samples`) -> microbatches of exactly `micro_batch_size` rows.

@@ -319,7 +319,11 @@ class Trainer:
         if not rows:
             log.warning("step %d: nothing to train on (all prompts tied or dropped)", step)
             return metrics
-        per_minibatch = self._split_rows(rows, t.minibatches, pairwise=t.algorithm in algorithms.PAIRWISE)
+        # N minibatches (optimizer steps) per batch; within each, this DP rank's share. Units (a DPO
+        # pair, an RLOO group of K) are never split.
+        unit = algorithms.row_unit(t.algorithm, cfg.rollout.k)
+        per_minibatch = [algorithms.dp_shard(part, unit, self.layout.dp, self.layout.dp_rank)
+                         for part in algorithms.split_units(rows, unit, t.minibatches)]
         loss_fn = algorithms.make_loss_fn(t.algorithm, t.beta, t.dpo_loss, t.clip_eps)
         if faults.nan_loss_at(step):
             loss_fn = poisoned(loss_fn)
@@ -339,13 +343,6 @@ class Trainer:
         for key in step_metrics[0]:
             metrics[f"train/{key}" if "/" not in key else key] = sum(m[key] for m in step_metrics) / len(step_metrics)
         return metrics
-
-    @staticmethod
-    def _split_rows(rows: list, n: int, pairwise: bool) -> list[list]:
-        unit = 2 if pairwise else 1
-        units = [rows[i:i + unit] for i in range(0, len(rows), unit)]
-        n = min(n, len(units))
-        return [[r for u in units[i::n] for r in u] for i in range(n)] if n > 1 else [rows]
 
     # -- weights -----------------------------------------------------------------------------------
     def push_weights(self, version: int, replica_ids: list[int] | None = None) -> dict[str, float]:

@@ -77,3 +77,14 @@ def test_best_of_k_keeps_only_exact_matches():
     rows, stats = algorithms.select_samples("best_of_k_sft", [sample(0, 0.0), sample(0, 1.0), sample(1, 0.0)], k=2)
     assert [r.reward for r in rows] == [1.0] and stats["sft/below_min_reward"] == 1.0
     assert not math.isnan(stats["sft/selected"])
+
+
+def test_minibatches_and_dp_shards_keep_units_whole():
+    rows = list(range(12))  # 3 RLOO groups of k=4
+    parts = algorithms.split_units(rows, unit=4, n=2)
+    assert parts == [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7]]
+    assert algorithms.split_units(rows, unit=4, n=8) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    shards = [algorithms.dp_shard(rows, 2, dp=2, dp_rank=r) for r in range(2)]
+    assert sorted(shards[0] + shards[1]) == rows and all(len(s) == 6 for s in shards)
+    assert algorithms.dp_shard(rows, 4, dp=4, dp_rank=3) == rows  # 3 groups, 4 ranks: replicate
+    assert algorithms.row_unit("online_dpo", 4) == 2 and algorithms.row_unit("rloo", 4) == 4
