@@ -1,0 +1,378 @@
+"""`megatron-async bench`: the asynchronous speedup, the paper's off-policy sweep, rollout throughput.
+
+    megatron-async bench async configs/cpu_tiny.yaml [overrides] --seeds 1 2 --out-dir runs/bench_async
+    megatron-async bench sweep configs/cpu_tiny.yaml [overrides] --out-dir runs/bench_sweep
+    megatron-async bench rollout [tools/bench_rollout.py arguments]
+
+`async`: the same config, seeds and steps are trained with rollout.max_lag=0 (synchronous
+baseline) and max_lag=1 (one-step off-policy), each as a subprocess `python -m megatron_async
+train` into its own run dir, in ABBA order per seed pair (sync, async, async, sync, ...) so slow
+drift of a shared machine's load hits both modes alike. Per-step timings come from each run's
+`history.json` (`bench_report` has the arithmetic). SFT runs once (its model is shared by every
+run, `sft.steps=0` afterwards), so runs differ only in what is measured. With `--contention` it also
+measures generation and training alone vs together on the pinned cores (`bench_contention.py`);
+with `--rollout` it folds `tools/bench_rollout.py`'s tokens/s ratio and sync seconds in.
+Writes `bench_async.json` and `bench_async_timeline.png` into --out-dir.
+
+`sweep`: N (trainer.minibatches) for each algorithm, then T (trainer.updates_per_batch) and K
+(rollout.k) for the first algorithm; final reward and KL per run; `sweep.csv`, `sweep.json`,
+`sweep.png` (reward vs KL, the paper's Figure 4 analogue). The default is sized for ~10-15 min on
+2 shared cores; the paper-sized run is in the README (Performance).
+
+CPU layout: by default (`--pin auto`) the learner is pinned to CPU 0 and the replicas to the
+other CPUs (parallel.learner_cpus / rollout.replica_cpus), as the paper puts them on separate
+GPUs; `--pin none` leaves both unpinned; explicit overrides win. Load averages are recorded
+around every run: numbers from a shared machine are only comparable within one invocation.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from megatron_async import bench_report as report
+from megatron_async.io_utils import atomic_write_text
+
+REPO = Path(__file__).resolve().parents[1]
+STEP_LINE = re.compile(rb"\bstep (\d+) \| reward")
+
+
+class BenchError(RuntimeError):
+    """A benchmark run failed; the message carries the run's log tail."""
+
+
+def machine() -> dict:
+    return {"cpus": os.cpu_count(), "load_avg_1_5_15": list(os.getloadavg()), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def pin_overrides(pin: str) -> list[str]:
+    """--pin auto|none|LEARNER:REPLICA -> config overrides."""
+    if pin == "none":
+        return []
+    if pin == "auto":
+        n = os.cpu_count() or 1
+        if n < 2:
+            return []
+        return ["parallel.learner_cpus=0", f"rollout.replica_cpus={'1' if n == 2 else f'1-{n - 1}'}"]
+    learner, sep, replica = pin.partition(":")
+    if not sep:
+        raise SystemExit(f"--pin {pin!r}: expected auto, none or LEARNER:REPLICA CPU lists, e.g. 0:1")
+    return [f"parallel.learner_cpus={learner}", f"rollout.replica_cpus={replica}"]
+
+
+# ----------------------------------------------------------------------------- running trainings
+
+
+def run_training(config: str, overrides: list[str], out_dir: Path, name: str, label: str = "",
+                 timeout_s: float = 3600.0, steps: int | None = None) -> dict:
+    """`python -m megatron_async train` into out_dir/name; returns history, evals, load, seconds.
+
+    Shows a progress bar fed by the run's per-step log lines. Raises BenchError on failure.
+    """
+    from tqdm import tqdm
+
+    run_dir = out_dir / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # a stale run dir would be resumed/reused
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / f"{name}.log"
+    cmd = [sys.executable, "-m", "megatron_async", "train", config, *overrides,
+           f"run.out_dir={out_dir}", f"run.name={name}"]
+    load_before = os.getloadavg()
+    t0 = time.monotonic()
+    bar = tqdm(total=steps, desc=label or name, unit="step", leave=True, mininterval=1)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        seen = 0
+        try:
+            while proc.poll() is None:
+                time.sleep(1.0)
+                done = len(STEP_LINE.findall(log_path.read_bytes()))
+                if done > seen:
+                    bar.update(done - seen)
+                    seen = done
+                if time.monotonic() - t0 > timeout_s:
+                    proc.kill()
+                    raise BenchError(f"{name}: no result after {timeout_s:.0f} s; log: {log_path}")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            bar.close()
+    tail = log_path.read_bytes()[-3000:].decode(errors="replace")
+    if proc.returncode != 0:
+        raise BenchError(f"{name}: train exited {proc.returncode}; log {log_path}:\n{tail}")
+    history_path = run_dir / "history.json"
+    if not history_path.exists():
+        raise BenchError(f"{name}: {history_path} was not written (trainer too old?); log {log_path}")
+    result = {"name": name, "command": " ".join(cmd), "run_dir": str(run_dir), "log": str(log_path),
+              "seconds_total": time.monotonic() - t0, "load_avg_before": list(load_before),
+              "load_avg_after": list(os.getloadavg()), "history": json.loads(history_path.read_text())}
+    for tag in ("before", "after"):
+        p = run_dir / f"eval_{tag}.json"
+        if p.exists():
+            ev = json.loads(p.read_text())
+            result[f"pass_at_1_{tag}"], result["eval_n"] = ev["pass@1"], ev["n"]
+    return result
+
+
+def prepare_sft(config: str, overrides: list[str], out_dir: Path, timeout_s: float,
+                init_model: str | None = None) -> list[str]:
+    """SFT once (trainer.steps=0) and return overrides that start every run from its model."""
+    from megatron_async.config import load_config
+
+    if init_model:  # an SFT'd HF checkpoint from an earlier bench (e.g. runs/bench_async/sft/sft_model)
+        if not (Path(init_model) / "config.json").exists():
+            raise BenchError(f"--init-model {init_model}: no config.json there")
+        return [f"model.hf_path={Path(init_model).resolve()}", "sft.steps=0"]
+    cfg = load_config(config, overrides)
+    if cfg.sft.steps == 0:
+        return []
+    run = run_training(config, [*overrides, "trainer.steps=0", "data.eval_size=1"], out_dir, "sft", "SFT (shared)",
+                       timeout_s=timeout_s)
+    model = Path(run["run_dir"]) / "sft_model"
+    if not (model / "config.json").exists():
+        raise BenchError(f"SFT run finished without {model}")
+    return [f"model.hf_path={model.resolve()}", "sft.steps=0"]
+
+
+# ----------------------------------------------------------------------------- bench async
+
+
+def bench_async(args) -> int:
+    out_dir = Path(args.out_dir).resolve()
+    base = [*pin_overrides(args.pin), *args.overrides, "trainer.checkpoint_every=0"]
+    started = machine()
+    shared = prepare_sft(args.config, base, out_dir, args.timeout_s, args.init_model)
+    from megatron_async.config import load_config
+
+    cfg = load_config(args.config, [*base, *shared])
+    order = []
+    for i, seed in enumerate(args.seeds):
+        modes = (0, 1) if i % 2 == 0 else (1, 0)  # ABBA
+        order += [(seed, lag) for lag in modes]
+    runs: dict[tuple[int, int], dict] = {}
+    for seed, lag in order:
+        name = f"{'sync' if lag == 0 else 'async'}_seed{seed}"
+        runs[(seed, lag)] = run_training(args.config, [*base, *shared, f"rollout.max_lag={lag}", f"run.seed={seed}"],
+                                         out_dir / "runs", name, label=name, timeout_s=args.timeout_s,
+                                         steps=cfg.trainer.steps)
+    sync = [report.mode_summary(runs[(s, 0)]["history"]) for s in args.seeds]
+    asyn = [report.mode_summary(runs[(s, 1)]["history"]) for s in args.seeds]
+    result = {
+        "command": "megatron-async bench " + " ".join(args.argv),
+        "machine_start": started, "machine_end": machine(),
+        "pinning": {"learner_cpus": cfg.parallel.learner_cpus, "replica_cpus": cfg.rollout.replica_cpus},
+        "config": {"algorithm": cfg.trainer.algorithm, "steps": cfg.trainer.steps,
+                   "prompts_per_step": cfg.rollout.prompts_per_step, "k": cfg.rollout.k,
+                   "max_new_tokens": cfg.rollout.max_new_tokens, "hidden": cfg.model.tiny_hidden_size,
+                   "layers": cfg.model.tiny_layers},
+        "summary": report.speedup_report(sync, asyn),
+        "quality": {mode: {"final_reward": [r["final_reward"] for r in rs], "final_kl": [r["final_kl"] for r in rs],
+                           "pass_at_1_after": [runs[(s, lag)].get("pass_at_1_after") for s in args.seeds]}
+                    for mode, rs, lag in (("sync", sync, 0), ("async", asyn, 1))},
+        "runs": [{"seed": s, "max_lag": lag, **{k: v for k, v in runs[(s, lag)].items() if k != "history"},
+                  "summary": report.mode_summary(runs[(s, lag)]["history"]),
+                  "per_step": report.per_step_timings(runs[(s, lag)]["history"])} for s, lag in order],
+    }
+    if args.contention:
+        from megatron_async.bench_contention import run_contention
+
+        model = Path(cfg.model.hf_path) if cfg.model.hf_path != "tiny" else None
+        result["contention"] = run_contention(model or Path(runs[order[0]]["run_dir"]) / "base_model",
+                                              cfg.parallel.learner_cpus, cfg.rollout.replica_cpus,
+                                              seconds=args.contention_s, out_dir=out_dir)
+    if args.rollout:
+        result["rollout"] = fold_rollout(out_dir, ["--models", "tiny", "--syncs", "3"])
+    json_path = atomic_write_text(out_dir / "bench_async.json", json.dumps(result, indent=1))
+    seed = args.seeds[0]
+    png = report.plot_timeline({f"sync (max_lag=0), seed {seed}": runs[(seed, 0)]["history"],
+                                f"async (max_lag=1), seed {seed}": runs[(seed, 1)]["history"]},
+                               out_dir / "bench_async_timeline.png",
+                               title=f"{cfg.trainer.algorithm}: per-step seconds, learner CPUs "
+                                     f"'{cfg.parallel.learner_cpus}', replica CPUs '{cfg.rollout.replica_cpus}'")
+    s = result["summary"]
+    print(f"speedup {s['speedup']:.3f} (per seed {', '.join(f'{x:.3f}' for x in s['speedup_per_seed'])}) | "
+          f"ideal {s['ideal']:.3f} | efficiency {s['efficiency']:.3f} | "
+          f"load {started['load_avg_1_5_15'][0]:.1f} -> {result['machine_end']['load_avg_1_5_15'][0]:.1f}")
+    for mode, q in result["quality"].items():
+        print(f"{mode}: final reward {q['final_reward']} final KL {q['final_kl']} pass@1 after {q['pass_at_1_after']}")
+    print(f"wrote {json_path} and {png}")
+    return 0
+
+
+def fold_rollout(out_dir: Path, argv: list[str]) -> dict:
+    """Run tools/bench_rollout.py and keep the figures the report needs."""
+    path = out_dir / "bench_rollout.json"
+    cmd = [sys.executable, str(REPO / "tools" / "bench_rollout.py"), *argv, "--out", str(path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BenchError(f"bench_rollout failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    data = json.loads(path.read_text())
+    folded = {"command": " ".join(cmd), "models": []}
+    for m in data["models"]:
+        if "skipped" in m:
+            folded["models"].append(m)
+            continue
+        syncs = [s["seconds"] for s in m["syncs"]]
+        folded["models"].append({
+            "model": m["model"], "parameters": m["parameters"],
+            "pool_tokens_per_s": m["pool"]["tokens_per_s"], "transformers_tokens_per_s": m["transformers"]["tokens_per_s"],
+            "ratio_pool_over_transformers": m["ratio_pool_over_transformers"],
+            "sync_seconds_mean": sum(syncs) / len(syncs), "sync_gb_per_s": [s["gb_per_s"] for s in m["syncs"]],
+            "load_avg": m["pool"]["load_avg"]})
+    return folded
+
+
+# ----------------------------------------------------------------------------- bench sweep
+
+
+def ppo_refusal() -> str | None:
+    """The trainer's own refusal of PPO (None if it would run)."""
+    from megatron_async import algorithms
+
+    try:
+        algorithms.make_loss_fn("ppo", beta=0.1)
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def sweep_plan(algorithms: list[str], ns: list[int], ts: list[int], ks: list[int]) -> list[dict]:
+    """Runs of the sweep: N for every algorithm, T and K for the first one (N=1, T=1, K=config)."""
+    plan = [{"algorithm": a, "knob": "N", "value": n, "overrides": [f"trainer.minibatches={n}"]}
+            for a in algorithms for n in ns]
+    if algorithms:
+        a = algorithms[0]
+        plan += [{"algorithm": a, "knob": "T", "value": t, "overrides": [f"trainer.updates_per_batch={t}"]} for t in ts]
+        plan += [{"algorithm": a, "knob": "K", "value": k, "overrides": [f"rollout.k={k}"]} for k in ks]
+    return plan
+
+
+def bench_sweep(args) -> int:
+    out_dir = Path(args.out_dir).resolve()
+    started = machine()
+    algorithms, rows = [], []
+    for a in args.algorithms:
+        why = ppo_refusal() if a == "ppo" else None
+        if why:
+            print(f"sweep: skipping {a}: the trainer refuses it: {why}")
+            rows.append({"algorithm": a, "knob": "N", "value": "", "status": f"refused by the trainer: {why}"})
+        else:
+            algorithms.append(a)
+    base = [*pin_overrides(args.pin), f"rollout.max_lag={args.max_lag}", *args.overrides,
+            "trainer.checkpoint_every=0"]
+    shared = prepare_sft(args.config, base, out_dir, args.timeout_s, args.init_model)
+    from megatron_async.config import load_config
+
+    cfg = load_config(args.config, [*base, *shared])
+    plan = sweep_plan(algorithms, args.n, [t for t in args.t if t != 1], [k for k in args.k if k != cfg.rollout.k])
+    for i, item in enumerate(plan):
+        name = f"{item['algorithm']}_{item['knob']}{item['value']}"
+        row = {k: v for k, v in item.items() if k != "overrides"}
+        try:
+            extra = [f"trainer.algorithm={item['algorithm']}", *item["overrides"]]
+            run = run_training(args.config, [*base, *shared, *extra], out_dir / "runs", name,
+                               label=f"[{i + 1}/{len(plan)}] {name}", timeout_s=args.timeout_s, steps=cfg.trainer.steps)
+            summ = report.mode_summary(run["history"])
+            row.update(status="ok", final_reward=summ["final_reward"], final_kl=summ["final_kl"],
+                       pass_at_1_before=run.get("pass_at_1_before"), pass_at_1_after=run.get("pass_at_1_after"),
+                       wall_s=summ["wall_s"], load_avg_1min=run["load_avg_before"][0])
+        except BenchError as e:
+            row.update(status=f"failed: {str(e).splitlines()[0]}")
+            print(e, file=sys.stderr)
+        rows.append(row)
+    fields = ["algorithm", "knob", "value", "status", "final_reward", "final_kl", "pass_at_1_before",
+              "pass_at_1_after", "wall_s", "load_avg_1min"]
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(out_dir / "sweep.csv", buf.getvalue())
+    result = {"command": "megatron-async bench " + " ".join(args.argv), "machine_start": started,
+              "machine_end": machine(), "max_lag": args.max_lag, "steps": cfg.trainer.steps,
+              "prompts_per_step": cfg.rollout.prompts_per_step, "k": cfg.rollout.k, "rows": rows}
+    atomic_write_text(out_dir / "sweep.json", json.dumps(result, indent=1))
+    png = report.plot_sweep(rows, out_dir / "sweep.png",
+                            title=f"toy off-policy sweep (max_lag={args.max_lag}, {cfg.trainer.steps} steps, "
+                                  f"{cfg.rollout.prompts_per_step} prompts/step)")
+    print(buf.getvalue())
+    print(f"wrote {out_dir / 'sweep.csv'}, sweep.json and {png}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- entry point
+
+# `bench sweep` prepends these unless --full: ~6 short runs' worth of compute per algorithm
+SWEEP_DEFAULTS = ["trainer.steps=6", "rollout.prompts_per_step=16", "data.eval_size=32", "trainer.micro_batch_size=16"]
+SMALL = ["model.tiny_hidden_size=64", "model.tiny_heads=2", "model.tiny_kv_heads=2", "model.tiny_layers=2",
+         "sft.steps=200", "sft.batch_size=32", "trainer.steps=8", "rollout.prompts_per_step=16",
+         "rollout.max_new_tokens=32", "data.eval_size=32", "trainer.micro_batch_size=16"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-async bench", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="what", required=True)
+
+    def common(sp):
+        sp.add_argument("config")
+        sp.add_argument("overrides", nargs="*", help="section.key=value (after the defaults of --small)")
+        sp.add_argument("--out-dir", default=None)
+        sp.add_argument("--pin", default="auto", help="auto (learner CPU 0, replicas the rest), none, or L:R")
+        sp.add_argument("--timeout-s", type=float, default=3600.0, help="per training run")
+        sp.add_argument("--init-model", default=None,
+                        help="start every run from this HF checkpoint (skips the shared SFT run)")
+        sp.add_argument("--small", action="store_true",
+                        help="prepend a toy-sized run (" + " ".join(SMALL) + ")")
+
+    a = sub.add_parser("async", help="sync (max_lag=0) vs async (max_lag=1) on the same config and seeds")
+    common(a)
+    a.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    a.add_argument("--contention", action="store_true", help="also measure gen/train alone vs together")
+    a.add_argument("--contention-s", type=float, default=20.0, help="seconds per contention phase")
+    a.add_argument("--rollout", action="store_true", help="also run tools/bench_rollout.py --models tiny")
+    s = sub.add_parser("sweep", help="the paper's N / T / K sweeps: final reward vs KL")
+    common(s)
+    s.add_argument("--algorithms", nargs="+", default=["online_dpo", "ppo", "rloo"])
+    s.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    s.add_argument("--t", type=int, nargs="+", default=[1, 2, 4])
+    s.add_argument("--k", type=int, nargs="+", default=[2, 4, 8])
+    s.add_argument("--full", action="store_true",
+                   help="use the config's steps/prompts instead of the sweep defaults (" + " ".join(SWEEP_DEFAULTS) + ")")
+    s.add_argument("--max-lag", type=int, default=0,
+                   help="0 (default): N is the only source of off-policyness, as in the paper's Figure 4")
+    sub.add_parser("rollout", help="tools/bench_rollout.py (its own arguments follow)", add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "rollout":
+        return subprocess.call([sys.executable, str(REPO / "tools" / "bench_rollout.py"), *argv[1:]], cwd=REPO)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    if args.what == "sweep" and not args.full:
+        args.overrides = [*SWEEP_DEFAULTS, *args.overrides]
+    if args.small:
+        args.overrides = [*SMALL, *args.overrides]
+    args.out_dir = args.out_dir or f"runs/bench_{args.what}"
+    from megatron_async.config import ConfigError
+
+    try:
+        return {"async": bench_async, "sweep": bench_sweep}[args.what](args)
+    except ConfigError as e:
+        print(f"megatron-async bench: config error: {e}", file=sys.stderr)
+        return 2
+    except BenchError as e:
+        print(f"megatron-async bench: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

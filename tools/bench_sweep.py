@@ -1,0 +1,11 @@
+"""Thin wrapper: `.venv/bin/python tools/bench_sweep.py CONFIG [overrides] [options]` is
+`megatron-async bench sweep CONFIG [overrides] [options]` (see megatron_async/bench.py)."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_async.bench import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main(["sweep", *sys.argv[1:]]))
