@@ -313,7 +313,11 @@ class ReplicaPool:
         return statuses
 
     def replicas_needing_weights(self) -> list[ReplicaInfo]:
-        """Replicas that are behind the current version or hold weights of a failed update."""
+        """Replicas that are behind the current version or hold weights of a failed update.
+
+        Runs `health_check` first (so a dead replica is restarted and listed). The learner pushes
+        full weights to these addresses; each rejoins dispatch once it reports the current version.
+        """
         self.health_check()
         return [
             ReplicaInfo(rep.id, (self.host, rep.port), rep.proc.pid, rep.version, rep.weights_ok)
@@ -405,14 +409,14 @@ class ReplicaPool:
                         wait_s=self.request_timeout_s, hold_s=self.request_timeout_s / 2,
                     )
                 except (ReplicaError, ConnectionError, TimeoutError) as e:
+                    if isinstance(e, ReplicaError) and e.kind != "stale":
+                        raise  # the request itself is bad (e.g. a prompt longer than max_model_len)
                     job.queue.put(chunk)
                     with self._lock:
                         self.requeues += 1
                     if job.stop.is_set():
                         return
                     if isinstance(e, ReplicaError):
-                        if e.kind != "stale":
-                            raise
                         rep.weights_ok = False  # re-queried by _fresh before the next chunk
                     else:
                         self._restart(rep, proc, str(e))

@@ -7,8 +7,10 @@ on GPU vLLM runs as usual and `tensor_parallel_size` spans that many GPUs.
 
 Protocol (`multiprocessing.connection` over TCP, bound to 127.0.0.1 unless told otherwise, always
 with an authkey): each request is a dict `{"op": ...}`, each answer a dict with "ok"; a weight
-bucket's bytes follow its request as one `send_bytes` message. Ops: health, version, generate,
-update_begin, update_bucket, update_end, shutdown. Every connection gets its own thread.
+bucket's bytes follow its request as one `send_bytes` message. Ops: health and version (both
+answer the status dict), generate, update_begin, update_bucket, update_end, shutdown. Every
+connection gets its own thread. Messages are pickles: the authkey is what keeps strangers out,
+so treat it as a secret that grants code execution on the replica host.
 
 Weight-update invariants (the engine lock is `ReplicaServer._cv`):
 - A generation holds the engine lock from start to end: an update never interleaves with it.
@@ -247,7 +249,7 @@ class ReplicaServer:
         }
 
     # -- generation ---------------------------------------------------------------------------
-    def _generate(self, prompts: list[list[int]], sampling: list[Sampling], wait_s: float) -> dict:
+    def _generate(self, prompts: list[list[int]], sampling: list[Sampling], hold_s: float) -> dict:
         from vllm import SamplingParams
 
         params = [
@@ -258,14 +260,14 @@ class ReplicaServer:
             )
             for s in sampling
         ]
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + hold_s
         with self._cv:
             while self._update is not None:  # hold off while an update is in flight
                 if time.monotonic() - self._update.touched > self.spec.update_timeout_s:
                     self._abort(f"update {self._update.version} made no progress for {self.spec.update_timeout_s:.0f} s")
                     break
                 if time.monotonic() > deadline:
-                    raise ReplicaError(f"weight update {self._update.version} still in progress after {wait_s:.0f} s", "stale")
+                    raise ReplicaError(f"weight update {self._update.version} still in progress after {hold_s:.0f} s", "stale")
                 self._cv.wait(0.2)
             if not self.weights_ok:
                 raise ReplicaError(f"weights incomplete since a failed update ({self.stale_reason}); needs a full update", "stale")

