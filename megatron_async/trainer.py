@@ -238,6 +238,8 @@ class Trainer:
             self._wait_for(lambda: True if self.producer.generated_through(last_needing_old) else None)
             metrics["timing/learner_wait_old_s"] = time.monotonic() - t_wait  # idle too: gen of s+lag
             sync = self.push_weights(version=step + 1)
+            if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
+                self.evaluate(f"step{step + 1}")  # replicas hold version step+1 until the next push
             if self.rank0:
                 self.producer.notify_synced(step + 1)
             metrics.update({"timing/learner_idle_s": learner_idle, "timing/train_s": train_seconds,
@@ -406,7 +408,10 @@ class Trainer:
         import json
 
         atomic_write_text(path, json.dumps(result, indent=1))
-        self.tracker.log_metrics({f"eval/pass_at_1_{tag}": result["pass@1"]}, step=self.version)
+        metrics = {"eval/pass_at_1": result["pass@1"]}  # the curve, by policy version
+        if tag in ("before", "after"):
+            metrics[f"eval/pass_at_1_{tag}"] = result["pass@1"]
+        self.tracker.log_metrics(metrics, step=self.version)
         self.tracker.log_artifact(path)
         log.info("pass@1 (%s) = %.3f on %d problems", tag, result["pass@1"], result["n"])
         return result["pass@1"]
