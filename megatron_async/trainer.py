@@ -350,7 +350,7 @@ class Trainer:
     def push_weights(self, version: int, replica_ids: list[int] | None = None) -> dict[str, float]:
         """All ranks: stream this learner's weights (as `version`) to the replicas, stage by stage."""
         from megatron_async.weights.mapping import iter_hf_weights
-        from megatron_async.weights.sync import WeightSender
+        from megatron_async.weights.sync import WeightSender, WeightSyncError
 
         lay = self.layout
         t0 = time.monotonic()
@@ -358,9 +358,16 @@ class Trainer:
         result = {"seconds": 0.0, "gb_per_s": 0.0}
         if lay.tp_rank == 0 and lay.dp_rank == 0:
             addresses = [a for i, a in enumerate(self.replica_addresses) if replica_ids is None or i in replica_ids]
+            # NOTE strict=False: a replica that dies during the push is dropped from it (its pool
+            # restarts it and `_wait_for` pushes to it before it takes work); only a push that
+            # reaches no replica at all is an error.
             with WeightSender(addresses, self.authkey, timeout_s=self.cfg.rollout.sync_timeout_s,
-                              bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20) as sender:
+                              bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, strict=False) as sender:
                 result = sender.push(version, lay.pp_rank, lay.pp, named)
+            if result["failed"]:
+                if not result["replicas"]:
+                    raise WeightSyncError(f"weight sync of version {version} reached no replica: {result['failed']}")
+                log.warning("weight sync of version %d: replicas dropped from the push: %s", version, result["failed"])
         else:
             for _ in named:  # take part in the TP gathers
                 pass
