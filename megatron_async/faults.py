@@ -7,6 +7,8 @@ recovery paths (not mocks):
                                               checkpoint step_N (a crash between steps)
     MEGATRON_ASYNC_NAN_LOSS_STEPS=2,3          the loss of these learner steps becomes NaN
                                               (a numerical blow-up; the step must be skipped)
+    MEGATRON_ASYNC_KILL_REPLICA_AT_BATCH=2     replica 0 is SIGKILLed shortly after generation of
+                                              batch 2 starts (a replica dying mid-generation)
 
 Unset (the default) they cost one dictionary lookup per step.
 """
@@ -14,9 +16,11 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 CRASH_AFTER_CHECKPOINT = "MEGATRON_ASYNC_CRASH_AFTER_CHECKPOINT"
 NAN_LOSS_STEPS = "MEGATRON_ASYNC_NAN_LOSS_STEPS"
+KILL_REPLICA_AT_BATCH = "MEGATRON_ASYNC_KILL_REPLICA_AT_BATCH"
 
 
 def crash_after_checkpoint(step: int) -> None:
@@ -27,3 +31,8 @@ def crash_after_checkpoint(step: int) -> None:
 def nan_loss_at(step: int) -> bool:
     steps = os.environ.get(NAN_LOSS_STEPS, "")
     return str(step) in steps.split(",")
+
+
+def kill_replica_during(batch_index: int, replica_pid: int, delay_s: float = 0.3) -> None:
+    if os.environ.get(KILL_REPLICA_AT_BATCH) == str(batch_index):
+        threading.Timer(delay_s, os.kill, (replica_pid, signal.SIGKILL)).start()

@@ -385,6 +385,7 @@ class Trainer:
         sampling = Sampling(n=r.k, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_new_tokens,
                             stop=tuple(r.stop), seed=self.cfg.run.seed * 1_000_003 + index * 10_007)
         t0 = time.monotonic()
+        faults.kill_replica_during(index, self.pool.pids()[0])
         records = self.pool.generate([p.ids for p in prompts], sampling)
         gen_seconds = time.monotonic() - t0
         t0 = time.monotonic()
@@ -430,6 +431,11 @@ class Trainer:
         mean = sum(flat) / max(1, len(flat))
         std = (sum((x - mean) ** 2 for x in flat) / max(1, len(flat))) ** 0.5
         n_tokens = sum(len(c.token_ids) for cs in batch.completions for c in cs)
+        pool = self.pool.stats()
+        metrics.update({"rollout/prompts": float(len(batch.completions)),
+                        "rollout/samples": float(sum(len(cs) for cs in batch.completions)),
+                        "rollout/requeued_chunks": float(pool["requeues"]),
+                        "rollout/replica_restarts": float(pool["restarts"])})
         metrics.update({"reward/mean": mean, "reward/std": std, "reward/errors": float(batch.reward_errors),
                         "reward/timeouts": float(batch.reward_timeouts),
                         "rollout/tokens_per_s": n_tokens / max(batch.gen_seconds, 1e-9),

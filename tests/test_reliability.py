@@ -41,3 +41,14 @@ def test_tokenizer_that_does_not_fit_the_model_is_refused(tiny_ckpts, tmp_path):
     with pytest.raises(ValueError, match=r"bad: the tokenizer has \d+ tokens but config.json has vocab_size=64"):
         load_tokenizer(bad)
     assert load_tokenizer(tiny_ckpts["gqa"]).pad_token_id is not None
+
+
+@pytest.mark.slow
+def test_replica_killed_mid_run_loses_no_prompt(tmp_path):
+    train(tmp_path, *RLOO, env={"MEGATRON_ASYNC_KILL_REPLICA_AT_BATCH": "2"})
+    m = metrics(tmp_path / "cpu_tiny")
+    # every step trained on exactly prompts_per_step x K samples: nothing lost, nothing doubled
+    assert [m["rollout/samples"][s] for s in range(STEPS)] == [8 * 4] * STEPS
+    assert m["rollout/replica_restarts"][STEPS - 1] >= 1
+    # the restarted replica only generated with current weights: lag stays within the bound
+    assert max(m["rollout/lag_max"].values()) <= 1.0
