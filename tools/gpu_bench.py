@@ -24,6 +24,9 @@ Phases (each a subprocess with its own deadline, so one slow phase cannot eat th
    64 prompts x K=4 x 256 tokens, max_lag 0 vs 1, one seed). NOTE: with one GPU the learner and
    the replica SHARE it, unlike the paper's separate GPUs: this speedup measures overlap by
    time-sharing one device, and is expected to be well below the separate-device ideal.
+   If the trainer's GPU placement rules (placement.*) refuse learner and replica on the same GPU,
+   this phase records the refusal as "async_error" in the summary and the other figures stand;
+   on a 2-GPU machine pass the placement overrides instead.
 """
 from __future__ import annotations
 
