@@ -172,6 +172,10 @@ def plot_timeline(runs: dict[str, Sequence[dict]], out: str | os.PathLike, title
             ax.bar([s - 0.2 for s in steps], vals, width=0.4, bottom=bottom, color=color,
                    label=f"learner: {key[:-2].replace('_', ' ')}")
             bottom = [b + v for b, v in zip(bottom, vals)]
+        rest = [max(0.0, r["step_wall_s"] - b) for r, b in zip(rows, bottom)]  # bars add up to the step wall
+        ax.bar([s - 0.2 for s in steps], rest, width=0.4, bottom=bottom, color="tab:olive",
+               label="learner: other (untimed waits, logging)")
+        bottom = [b + v for b, v in zip(bottom, rest)]
         ax.bar([s + 0.2 for s in steps], [r["generation_s"] for r in rows], width=0.4, color="tab:green",
                label="replicas: generation")
         ax.set_title(label)
