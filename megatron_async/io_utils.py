@@ -29,6 +29,22 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def replace_dir(tmp: Path, dst: Path) -> Path:
+    """Put the complete folder `tmp` at `dst`, replacing what is there, with renames only.
+
+    Between the two renames `dst` is briefly absent, never half-written: a reader either finds
+    the old folder, the new one, or none (and `<dst>.old` for the old one).
+    """
+    tmp, dst = Path(tmp), Path(dst)
+    old = dst.with_name(f"{dst.name}.old")
+    if dst.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+    os.replace(tmp, dst)
+    shutil.rmtree(old, ignore_errors=True)
+    return dst
+
+
 @contextmanager
 def atomic_directory(path: str | os.PathLike):
     """Yield a temporary sibling folder to fill; on success it replaces `path` in one rename.
@@ -40,14 +56,7 @@ def atomic_directory(path: str | os.PathLike):
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         yield tmp
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
+        replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -22,14 +22,15 @@ def build_models(root: Path, seeds=(0, 1, 2)) -> list[Path]:
     return [build_tiny_llama(root / f"model{s}", tok, seed=s) for s in seeds]
 
 
-def build_variants(root: Path) -> dict[str, Path]:
-    """Architecture variants the weight sync must handle, with head_dim 32 (vLLM's CPU attention
-    rejects the head_dim 16 of conftest's `tiny_ckpts`): GQA, tied embeddings, llama3 RoPE scaling,
-    and Qwen2 (q/k/v biases, made non-zero). 2 layers, hidden 128, 4 heads / 2 KV groups."""
+def build_variants(root: Path, hidden_size: int = 128, intermediate_size: int = 192) -> dict[str, Path]:
+    """Architecture variants the learner and the weight sync must handle: GQA, tied embeddings,
+    llama3 RoPE scaling, and Qwen2 (q/k/v biases, made non-zero). 2 layers, 4 heads / 2 KV groups.
+    The default hidden 128 gives head_dim 32, the smallest vLLM's CPU attention takes; the learner
+    tests (conftest's `tiny_ckpts`) use hidden 64."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tok = build_tokenizer(default_corpus(300), root / "tok", vocab_size=300)
-    small = dict(hidden_size=128, intermediate_size=192, num_hidden_layers=2)
+    small = dict(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2)
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 64}
     out = {

@@ -15,17 +15,14 @@ import pytest
 
 from megatron_async.config import ConfigError, load_config
 from megatron_async.placement import check_fit, node_layout
+from tests.e2e_utils import RLOO
+from tests.e2e_utils import SMALL as E2E_SMALL
 
 REPO = Path(__file__).resolve().parents[1]
 CFG = str(REPO / "configs" / "cpu_tiny.yaml")
 STEPS = 3
-SMALL = [
-    "model.tiny_hidden_size=64", "model.tiny_heads=2", "model.tiny_kv_heads=2", "model.tiny_layers=2",
-    "sft.steps=20", "sft.batch_size=16", f"trainer.steps={STEPS}", "trainer.checkpoint_every=0",
-    "trainer.micro_batch_size=8", "rollout.prompts_per_step=8", "rollout.k=4", "rollout.max_new_tokens=32",
-    "rollout.temperature=1.0", "data.eval_size=8", "rollout.kv_cache_gib=0.25",
-    "trainer.algorithm=rloo", "trainer.warmup_steps=0",  # RLOO trains on every batch (no tied-prompt skips)
-]
+SMALL = [*E2E_SMALL, *RLOO, "sft.steps=20", f"trainer.steps={STEPS}", "trainer.checkpoint_every=0",
+         "rollout.max_new_tokens=32"]  # later overrides win
 
 
 def gpu_cfg(*overrides):

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_async.io_utils import replace_dir
 from megatron_async.learner.model import LlamaArch, unwrap_model as _unwrap
 
 MANIFEST = "manifest.json"
@@ -42,8 +43,6 @@ def _checksums(root: Path) -> dict[str, str]:
 
 
 def _sharded_state(model_chunks, optimizer, scheduler, loading: bool) -> dict:
-    from megatron.core import parallel_state as ps
-
     if len(model_chunks) != 1:
         raise NotImplementedError("virtual pipeline (several model chunks per rank) is not supported")
     state = {"model": _unwrap(model_chunks[0]).sharded_state_dict()}
@@ -111,12 +110,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, model_chunks: list, optimizer=N
             "files": _checksums(tmp),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        old = ckpt_dir.with_name(ckpt_dir.name + ".old")
-        if ckpt_dir.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            ckpt_dir.rename(old)
-        tmp.rename(ckpt_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, ckpt_dir)
 
     _rank0_then_share(finish)
     return ckpt_dir

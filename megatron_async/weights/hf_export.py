@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_async.io_utils import replace_dir
+
 # HF files that are neither weights nor config.json: tokenizer and generation settings.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 SHARD_BYTES = 2 << 30
@@ -82,11 +84,6 @@ def export_hf(model_chunks: list, dst: str | os.PathLike, tokenizer_dir: str | o
             shutil.copyfile(path, tmp / name)
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps({**hf_config, "dtype": dtype}, indent=2))
-        old = dst.with_name(dst.name + ".old")
-        if dst.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            dst.rename(old)
-        tmp.rename(dst)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, dst)
     dist.barrier()
     return dst
