@@ -288,23 +288,33 @@ def bench_sweep(args) -> int:
             row.update(status=f"failed: {str(e).splitlines()[0]}")
             print(e, file=sys.stderr)
         rows.append(row)
+    base_row = next((r for r in rows if algorithms and r["algorithm"] == algorithms[0] and r["knob"] == "N"
+                     and r["value"] == 1 and r["status"] == "ok"), None)
+    if base_row is not None:  # the N=1 run is also T=1 and K=<config>: plot it in those panels too
+        rows += [dict(base_row, knob="T", value=1, same_run_as="N=1"),
+                 dict(base_row, knob="K", value=cfg.rollout.k, same_run_as="N=1")]
+    meta = {"command": "megatron-async bench " + " ".join(args.argv), "machine_start": started,
+            "machine_end": machine(), "max_lag": args.max_lag, "steps": cfg.trainer.steps,
+            "prompts_per_step": cfg.rollout.prompts_per_step, "k": cfg.rollout.k}
+    write_sweep(out_dir, rows, meta)
+    return 0
+
+
+def write_sweep(out_dir: Path, rows: list[dict], meta: dict) -> None:
+    """sweep.csv, sweep.json and sweep.png (atomic writes)."""
     fields = ["algorithm", "knob", "value", "status", "final_reward", "final_kl", "pass_at_1_before",
-              "pass_at_1_after", "wall_s", "load_avg_1min"]
+              "pass_at_1_after", "wall_s", "load_avg_1min", "same_run_as"]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_text(out_dir / "sweep.csv", buf.getvalue())
-    result = {"command": "megatron-async bench " + " ".join(args.argv), "machine_start": started,
-              "machine_end": machine(), "max_lag": args.max_lag, "steps": cfg.trainer.steps,
-              "prompts_per_step": cfg.rollout.prompts_per_step, "k": cfg.rollout.k, "rows": rows}
-    atomic_write_text(out_dir / "sweep.json", json.dumps(result, indent=1))
+    atomic_write_text(out_dir / "sweep.json", json.dumps({**meta, "rows": rows}, indent=1))
     png = report.plot_sweep(rows, out_dir / "sweep.png",
-                            title=f"toy off-policy sweep (max_lag={args.max_lag}, {cfg.trainer.steps} steps, "
-                                  f"{cfg.rollout.prompts_per_step} prompts/step)")
+                            title=f"toy off-policy sweep (max_lag={meta['max_lag']}, {meta['steps']} steps, "
+                                  f"{meta['prompts_per_step']} prompts/step)")
     print(buf.getvalue())
     print(f"wrote {out_dir / 'sweep.csv'}, sweep.json and {png}")
-    return 0
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -226,7 +226,8 @@ def plot_sweep(rows: Sequence[dict], out: str | os.PathLike, title: str = "") ->
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8)
-    skipped = sorted({f"{r['algorithm']}: {r['status']}" for r in rows if r.get("status") != "ok"})
+    skipped = sorted({f"{r['algorithm']} {r['knob']}={r['value']}: {r['status'][:70]}"
+                      for r in rows if r.get("status") != "ok"})
     fig.suptitle(title + ("\nskipped: " + "; ".join(skipped) if skipped else ""), fontsize=9)
     fig.tight_layout()
     return _save(fig, out)
