@@ -10,7 +10,7 @@ itself lives in `losses/` and the padding in `batching`. One learner step on one
 Algorithms (trainer.algorithm):
 - online_dpo: per prompt, best vs worst of K by reward (ties skipped and counted); rows of a pair
   are adjacent ([c0, r0, c1, r1, ...]) so a microbatch never splits a pair; DPO/IPO loss against
-  the frozen reference.
+  the frozen reference, plus `dpo_nll_coef` x the chosen's token-mean NLL when set (RPO).
 - rloo: complete groups of K per prompt; sequence reward R = score - beta * KL(gen || ref), with
   KL summed over completion tokens using the generating policy's logprobs; leave-one-out
   advantages over the group; REINFORCE loss.
@@ -136,7 +136,8 @@ def add_rloo_advantages(microbatches: list[dict], k: int, beta: float) -> dict:
     return {"rloo/kl": kl.mean().item(), "rloo/regularised_reward": (scores - beta * kl).mean().item()}
 
 
-def make_loss_fn(algorithm: str, beta: float, dpo_loss_type: str = "sigmoid", clip_eps: float = 0.2):
+def make_loss_fn(algorithm: str, beta: float, dpo_loss_type: str = "sigmoid", clip_eps: float = 0.2,
+                 dpo_nll_coef: float = 0.0):
     """The per-microbatch loss for `learner.logprobs.forward_backward`: (logprobs, mb) -> (loss, metrics)."""
     if algorithm == "ppo":
         raise NotImplementedError("trainer.algorithm=ppo: the learner has no value model yet; "
@@ -151,6 +152,10 @@ def make_loss_fn(algorithm: str, beta: float, dpo_loss_type: str = "sigmoid", cl
             seq, ref = sequence_logprobs(logprobs, mask), sequence_logprobs(mb["ref_logprobs"], mask)
             keep = real[0::2]
             loss, m = dpo_loss(seq[0::2][keep], seq[1::2][keep], ref[0::2][keep], ref[1::2][keep], beta, dpo_loss_type)
+            if dpo_nll_coef:  # RPO: + coef * token-mean NLL of the chosen completions
+                nll, _ = best_of_k_sft_loss(logprobs[0::2][keep], mask[0::2][keep])
+                loss = loss + dpo_nll_coef * nll
+                m["loss/chosen_nll"] = nll.detach()
         elif algorithm == "rloo":
             loss, m = rloo_loss(logprobs[real], mask[real], mb["advantages"][real])
         elif algorithm == "proximal_rloo":

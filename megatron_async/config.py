@@ -122,6 +122,9 @@ class TrainerConfig:
     micro_batch_size: int = 8  # sequences per forward/backward microbatch
     beta: float = 0.1  # DPO beta / KL coefficient
     dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    # weight of an NLL term on the chosen completion added to the DPO loss (RPO, Pang et al. 2024:
+    # plain DPO lowers the chosen's likelihood too on math reasoning); 0 = the paper's plain DPO
+    dpo_nll_coef: float = 0.0
     clip_eps: float = 0.2  # PPO / Proximal RLOO ratio clip
     vf_coef: float = 0.1  # PPO value loss weight
     gamma: float = 1.0  # PPO discount

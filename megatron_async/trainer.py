@@ -326,7 +326,7 @@ class Trainer:
         unit = algorithms.row_unit(t.algorithm, cfg.rollout.k)
         per_minibatch = [algorithms.dp_shard(part, unit, self.layout.dp, self.layout.dp_rank)
                          for part in algorithms.split_units(rows, unit, t.minibatches)]
-        loss_fn = algorithms.make_loss_fn(t.algorithm, t.beta, t.dpo_loss, t.clip_eps)
+        loss_fn = algorithms.make_loss_fn(t.algorithm, t.beta, t.dpo_loss, t.clip_eps, t.dpo_nll_coef)
         if faults.nan_loss_at(step):
             loss_fn = poisoned(loss_fn)
         minibatches = []
@@ -371,7 +371,9 @@ class Trainer:
         else:
             for _ in named:  # take part in the TP gathers
                 pass
-        dist.barrier(group=self.ctrl)
+        dist.barrier(group=self.ctrl)  # every stage has sent its part
+        if self.rank0:
+            self.pool.weights_pushed(version)
         return {"seconds": time.monotonic() - t0, "gb_per_s": result["gb_per_s"]}
 
     # -- generation side (rank 0, producer thread) ---------------------------------------------------

@@ -88,3 +88,15 @@ def test_minibatches_and_dp_shards_keep_units_whole():
     assert sorted(shards[0] + shards[1]) == rows and all(len(s) == 6 for s in shards)
     assert algorithms.dp_shard(rows, 4, dp=4, dp_rank=3) == rows  # 3 groups, 4 ranks: replicate
     assert algorithms.row_unit("online_dpo", 4) == 2 and algorithms.row_unit("rloo", 4) == 4
+
+
+def test_dpo_nll_term_adds_the_chosen_token_mean_nll():
+    samples = [sample(0, 1.0), sample(0, 0.0)]
+    rows, _ = algorithms.select_samples("online_dpo", samples, k=2)
+    (mb,) = algorithms.build_microbatches("online_dpo", rows, pad_id=0, micro_batch_size=2, k=2, beta=0.1)
+    mb["ref_logprobs"] = torch.zeros(mb["input_ids"].shape)
+    lp = -0.5 * mb["loss_mask"]  # every completion token has logprob -0.5
+    plain, _ = algorithms.make_loss_fn("online_dpo", beta=0.1)(lp, mb)
+    rpo, m = algorithms.make_loss_fn("online_dpo", beta=0.1, dpo_nll_coef=2.0)(lp, mb)
+    assert m["loss/chosen_nll"].item() == pytest.approx(0.5)
+    assert (rpo - plain).item() == pytest.approx(2.0 * 0.5)

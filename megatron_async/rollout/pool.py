@@ -312,6 +312,16 @@ class ReplicaPool:
                     statuses.append(self._query(rep))
         return statuses
 
+    def weights_pushed(self, version: int) -> None:
+        """Record that `version` was pushed to the replicas (by a WeightSender, outside the pool).
+
+        NOTE: the pool otherwise learns versions only from the replicas' answers. A replica that
+        restarts (back at its checkpoint's version) before any answer carried the pushed version
+        would count as fresh and generate with old weights; after this call it is stale.
+        """
+        with self._lock:
+            self.current_version = max(self.current_version, version)
+
     def replicas_needing_weights(self) -> list[ReplicaInfo]:
         """Replicas that are behind the current version or hold weights of a failed update.
 
