@@ -326,6 +326,8 @@ class Trainer:
         unit = algorithms.row_unit(t.algorithm, cfg.rollout.k)
         per_minibatch = [algorithms.dp_shard(part, unit, self.layout.dp, self.layout.dp_rank)
                          for part in algorithms.split_units(rows, unit, t.minibatches)]
+        metrics.update({"train/rows": float(len(rows)),
+                        "train/rows_this_dp_rank": float(sum(len(part) for part in per_minibatch))})
         loss_fn = algorithms.make_loss_fn(t.algorithm, t.beta, t.dpo_loss, t.clip_eps, t.dpo_nll_coef)
         if faults.nan_loss_at(step):
             loss_fn = poisoned(loss_fn)

@@ -72,3 +72,12 @@ def test_tp2_learner_synchronous_baseline(tmp_path):
     assert sorted(m["dpo/pairs"]) == [0, 1, 2] and sorted(m["dpo/tied_prompts"]) == [0, 1, 2]
     for step in m.get("logprob_diff/learner_vs_generator", {}):  # steps that had a pair to train on
         assert m["logprob_diff/learner_vs_generator"][step] < 1e-3  # TP=2 learner and vLLM agree
+
+
+@pytest.mark.slow
+def test_dp2_learner_splits_each_batch(tmp_path):
+    train(tmp_path, *RLOO, "parallel.world_size=2", "trainer.steps=2", "sft.steps=10", "trainer.micro_batch_size=4")
+    m = metrics(tmp_path / "cpu_tiny")
+    for step in range(2):  # rank 0 trained on half of each batch's RLOO groups
+        assert m["train/rows"][step] == 8 * 4
+        assert m["train/rows_this_dp_rank"][step] == 8 * 4 / 2
