@@ -32,7 +32,8 @@ def plot_training(history: list[dict], out: str | os.PathLike, title: str = "") 
     ax = axes[1, 1]
     bottom = [0.0] * len(steps)
     for key, label in [("timing/train_s", "train"), ("timing/sync_s", "weight sync"),
-                       ("timing/learner_idle_s", "learner idle")]:
+                       ("timing/learner_idle_s", "learner idle: waiting for the batch"),
+                       ("timing/learner_wait_old_s", "learner idle: old weights still generating")]:
         vals = [0.0 if v != v else v for v in series(key)]
         ax.bar(steps, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
