@@ -23,7 +23,7 @@ import threading
 import time
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,6 @@ class RolloutProducer:
         self._next = first_batch + len(ready)  # batches in `ready` came from a checkpoint
         self._synced = synced_version
         self._ready: dict[int, RolloutBatch] = {b.index: b for b in ready}
-        self._generating: int | None = None
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._cond = threading.Condition()
@@ -125,29 +124,22 @@ class RolloutProducer:
                     if self._stop.is_set():
                         return
                     assert self._synced == need, f"replicas hold v{self._synced}, batch {index} needs v{need}"
-                    self._generating = index
                 self.idle_seconds += time.monotonic() - t0 if index > 0 else 0.0
                 batch = self.make_batch(index)
                 batch.policy_version = need
                 with self._cond:
                     self._ready[index] = batch
-                    self._generating = None
                     self._next = index + 1
                     self._cond.notify_all()
         except BaseException as e:  # re-raised in the learner's next call
             log.exception("rollout producer failed")
             with self._cond:
                 self._error = e
-                self._generating = None
                 self._cond.notify_all()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"rollout producer failed: {self._error}") from self._error
-
-    def state(self) -> dict[str, Any]:
-        with self._cond:
-            return {"next_batch": self._next, "synced_version": self._synced}
 
 
 def batch_to_json(batch: RolloutBatch) -> dict:
