@@ -1,0 +1,44 @@
+"""Worker for tests/test_algorithms_learner.py: Online DPO steps on one fixed batch of pairs.
+
+    python tests/dist/dpo_descent_worker.py MODEL_DIR OUT.json
+
+Real megatron-core learner and reference, the trainer's own batch building and loss
+(`algorithms`), 6 optimizer steps on the same 8 (chosen, rejected) pairs; writes the metrics of
+every step. If the update had the wrong sign the DPO loss on that batch would rise.
+"""
+import json
+import sys
+
+import torch
+
+if __name__ == "__main__":
+    from megatron_async import algorithms
+    from megatron_async.batching import Sample
+    from megatron_async.learner.logprobs import compute_logprobs
+    from megatron_async.learner.model import build_model
+    from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
+    from megatron_async.learner.parallel import init_parallel
+    from megatron_async.weights.mapping import load_hf_weights
+
+    model_dir, out = sys.argv[1], sys.argv[2]
+    init_parallel(1, 1, seed=0)
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for p in range(8):
+        prompt = torch.randint(3, 300, (5,), generator=g).tolist()
+        for reward in (1.0, 0.0):
+            completion = torch.randint(3, 300, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()
+            samples.append(Sample(prompt_index=p, prompt_ids=prompt, completion_ids=completion, logprobs=None,
+                                  reward=reward, version=0))
+    rows, _ = algorithms.select_samples("online_dpo", samples, k=2)
+    mbs = algorithms.build_microbatches("online_dpo", rows, pad_id=0, micro_batch_size=6, k=2, beta=0.1)
+    policy, reference = build_model(model_dir), build_model(model_dir)
+    load_hf_weights(policy, model_dir)
+    load_hf_weights(reference, model_dir)
+    for mb, ref in zip(mbs, compute_logprobs(reference, mbs)):
+        mb["ref_logprobs"] = ref
+    ddp, opt, sched = build_optimizer(policy, OptimSettings(lr=1e-3, clip_grad=1.0))
+    loss_fn = algorithms.make_loss_fn("online_dpo", beta=0.1)
+    history = [train_step(ddp, opt, sched, mbs, loss_fn) for _ in range(6)]
+    with open(out, "w") as f:
+        json.dump(history, f)
