@@ -59,6 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse a train/eval/config command line.
+
+    `key=value` overrides may stand before or after the options (argparse alone refuses
+    `eval CFG --data F trainer.lr=1`): they are taken out, the rest is parsed, they are put back.
+    """
+    overrides = [w for w in argv if "=" in w and not w.startswith("-")]
+    args = build_parser().parse_args([w for w in argv if w not in overrides])
+    if hasattr(args, "overrides"):
+        args.overrides = overrides
+    return args
+
+
 def _load(module: str, what: str):
     try:
         return importlib.import_module(module)
@@ -80,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             return _load(module, word).main(argv[i + 1:])
         if not word.startswith("-"):
             break
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
 
     from megatron_async.config import ConfigError, load_config
     from megatron_async.log_utils import setup_logging

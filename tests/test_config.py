@@ -150,3 +150,18 @@ def test_fuzz_override_strings(text):
         load_config(None, [text])
     except ConfigError as e:
         assert str(e)
+
+
+def test_cli_takes_overrides_before_or_after_options(capsys):
+    from pathlib import Path
+
+    from megatron_async.cli import main, parse_args
+
+    CPU_TINY = str(Path(__file__).resolve().parents[1] / "configs" / "cpu_tiny.yaml")
+
+    args = parse_args(["eval", CPU_TINY, "trainer.lr=2e-5", "--data", "x.jsonl", "rollout.k=6"])
+    assert args.overrides == ["trainer.lr=2e-5", "rollout.k=6"] and args.data == "x.jsonl"
+    assert main(["config", CPU_TINY, "trainer.lr=2e-5", "rollout.k=6"]) == 0
+    out = capsys.readouterr().out
+    assert "lr: 2.0e-05" in out and "k: 6" in out
+    assert main(["config", CPU_TINY, "trainer.nope=1"]) == 2
