@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, on a machine with CUDA (one GPU is enough; a few minutes after install):
-# Transformer Engine layer spec, bf16 + DistributedOptimizer, NCCL TP=2 vs TP=1 (tests marked `gpu`).
+# Transformer Engine layer spec, bf16 + DistributedOptimizer, NCCL TP=2 vs TP=1, and the NCCL weight
+# sync learner GPU -> vLLM replica (tests/test_gpu_sync.py, needs 2 GPUs) (tests marked `gpu`).
 #
 #   EXTRAS=gpu,test bash launch/gpu_check.sh
 #

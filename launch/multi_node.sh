@@ -6,23 +6,30 @@
 #   # on node 1:
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 MASTER_PORT=29500 bash launch/multi_node.sh CONFIG [overrides]
 #
+# With a dedicated replica node (placement.dedicated_replica_node=true placement.replica_node=R)
+# node R runs `megatron-async serve-replicas` instead of torchrun (`megatron-async placement` gives
+# it NPROC_PER_NODE=0), and torchrun spans the other NNODES - 1 nodes; MASTER_ADDR is then the
+# first learner node (node 0, or node 1 if R = 0).
+#
 # Variables:
 #   NNODES        nodes in the job (= placement.nnodes; passed on as that override)
-#   NODE_RANK     this node's rank, 0..NNODES-1. Node 0 hosts the replicas (placement.replica_node)
-#   MASTER_ADDR   address of node 0, reachable from every node (the torchrun rendezvous store and the
-#                 torch.distributed TCP store live there)
-#   MASTER_PORT   a free TCP port on node 0, the same on every node (default 29500)
-#   REPLICA_HOST  node 0's address for the replica endpoints (-> rollout.host). Needed when a
-#                 pipeline stage's weight-sync sender runs on another node (PP across nodes);
-#                 `megatron-async placement` says so. Then MEGATRON_ASYNC_ROLLOUT_TOKEN must hold
-#                 the shared secret (same on all nodes; only rank 0 uses it).
+#   NODE_RANK     this node's rank, 0..NNODES-1 (placement numbering: the replica node counts)
+#   MASTER_ADDR   address of the first learner node, reachable from every node (the torchrun
+#                 rendezvous store and the torch.distributed TCP store live there)
+#   MASTER_PORT   a free TCP port on that node, the same on every node (default 29500)
+#   REPLICA_HOST  the replica node's address for the replica endpoints (-> rollout.host). Needed
+#                 when a weight-sync sender (one per pipeline stage) runs on another node, always
+#                 with a dedicated replica node; `megatron-async placement` says so. Then
+#                 MEGATRON_ASYNC_ROLLOUT_TOKEN must hold the shared secret (same on all nodes).
 #   REPLICA_BASE_PORT  fixed ports for the replicas (-> rollout.base_port) when a firewall needs them
+#   REPLICA_SERVER_PORT  the serve-replicas control port (-> placement.replica_server_port, default 29510)
 #   GPUS_PER_NODE default: the GPUs this node shows
 #
-# Rendezvous: static (--node-rank, --master-addr/--master-port), not c10d. Node 0 must be the node
-# with rank 0 (which starts the replicas), and with placement "auto" node 0 runs fewer learner
-# ranks than the others (its replica GPUs are not learner GPUs); a c10d rendezvous hands out node
-# ranks in arrival order, so a node could not know its --nproc-per-node before joining.
+# Rendezvous: static (--node-rank, --master-addr/--master-port), not c10d. The first learner node
+# must be the node with rank 0 (which owns the replica pool), and with placement "auto" a shared
+# replica node runs fewer learner ranks than the others (its replica GPUs are not learner GPUs);
+# a c10d rendezvous hands out node ranks in arrival order, so a node could not know its
+# --nproc-per-node before joining.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [[ $# -ge 1 ]] || { echo "usage: NNODES=.. NODE_RANK=.. MASTER_ADDR=.. $0 CONFIG [overrides]" >&2; exit 2; }
@@ -35,11 +42,18 @@ GPUS=${GPUS_PER_NODE:-$(gpus_on_node)}
 ARGS=("$CONFIG" "placement.nnodes=$NNODES" "placement.gpus_per_node=$GPUS")
 [[ -n ${REPLICA_HOST:-} ]] && ARGS+=("rollout.host=$REPLICA_HOST")
 [[ -n ${REPLICA_BASE_PORT:-} ]] && ARGS+=("rollout.base_port=$REPLICA_BASE_PORT")
+[[ -n ${REPLICA_SERVER_PORT:-} ]] && ARGS+=("placement.replica_server_port=$REPLICA_SERVER_PORT")
 ARGS+=("$@")
-load_placement "$NODE_RANK" "${ARGS[@]}"   # NPROC_PER_NODE, LEARNER_GPUS, REPLICA_GPUS, WORLD_SIZE
+# NPROC_PER_NODE, LEARNER_GPUS, REPLICA_GPUS, WORLD_SIZE, TORCHRUN_NNODES, TORCHRUN_NODE_RANK
+load_placement "$NODE_RANK" "${ARGS[@]}"
 echo "[multi_node] node $NODE_RANK/$NNODES ($(hostname)): $NPROC_PER_NODE learner ranks on GPUs $LEARNER_GPUS;" \
      "replica GPUs: ${REPLICA_GPUS:-none}; $WORLD_SIZE learner ranks in the job"
 
-exec .venv/bin/python -m torch.distributed.run --nnodes="$NNODES" --node-rank="$NODE_RANK" \
+if [[ $NPROC_PER_NODE == 0 ]]; then
+    # A dedicated replica node: start the replicas and serve learner rank 0's pool; exits when the
+    # learner's session ends (or, under srun --kill-on-bad-exit, takes the job down if it fails).
+    exec .venv/bin/megatron-async serve-replicas "${ARGS[@]}"
+fi
+exec .venv/bin/python -m torch.distributed.run --nnodes="$TORCHRUN_NNODES" --node-rank="$TORCHRUN_NODE_RANK" \
     --nproc-per-node="$NPROC_PER_NODE" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
     -m megatron_async train "${ARGS[@]}"

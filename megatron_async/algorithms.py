@@ -6,6 +6,7 @@ itself lives in `losses/` and the padding in `batching`. One learner step on one
     microbatches = build_microbatches(cfg, samples, pad_id, n_rows)     # same [b, s] for all
     ref/old logprobs are added to each microbatch by the trainer (frozen reference model)
     loss_fn = make_loss_fn(cfg)          # called by learner.logprobs.forward_backward
+    PPO also: old values (value model), add_ppo_advantages, make_value_loss_fn (value model step)
 
 Algorithms (trainer.algorithm):
 - online_dpo: per prompt, best vs worst of K by reward (ties skipped and counted); rows of a pair
@@ -17,8 +18,19 @@ Algorithms (trainer.algorithm):
 - proximal_rloo: as rloo, with the clipped sequence-level importance ratio against the generating
   policy (vLLM's logprobs of the sample), the paper's off-policy-robust variant.
 - best_of_k_sft: the best completion of each prompt if it scored 1 (exact match), NLL loss.
-PPO (value model, GAE) has its losses in `losses/ppo.py` but no learner value head yet: selecting
-it is refused in `make_loss_fn` with a clear error.
+- ppo (TRL's PPOv2, as the paper): complete groups of K (only to keep DP shards and minibatches
+  aligned with the other algorithms; PPO itself needs no groups). Per token, reward
+  r_t = -beta * (log pi_gen - log ref) with the score added at the last completion token; the KL
+  uses the GENERATING policy's (vLLM's) logprobs, so the reward is fixed for the whole update.
+  V_old from the value model (`learner.value`: the policy's initial weights, a scalar head), GAE
+  (`trainer.gamma`, `trainer.lam`) -> advantages and returns; advantages whitened over all
+  completion tokens of this DP rank's share of the batch (TRL whitens per process), returns not.
+  "Old" logprobs for the ratio are the LEARNER's, recomputed before the update's first optimizer
+  step (classic PPO, as TRL; the generation lag is not importance-corrected, proximal_rloo does
+  that). Policy: clipped surrogate (`trainer.clip_eps`), token-mean per microbatch. Value model:
+  its own optimizer step on `trainer.vf_coef` x the clipped value loss (clip range `clip_eps`) on
+  the same microbatches right after each policy step. vf_coef only scales the value gradients
+  (TRL sums both losses under one optimizer); under Adam it matters through gradient clipping.
 
 Padding rows: the last microbatch is filled with copies of row 0 that carry `row_weight` 0, so
 every microbatch has the same shape (pipeline buffers are fixed) and padding adds nothing to the
@@ -33,6 +45,11 @@ from megatron_async import batching
 from megatron_async.losses import (
     best_of_k_sft_loss,
     dpo_loss,
+    gae,
+    kl_penalized_rewards,
+    masked_whiten,
+    ppo_policy_loss,
+    ppo_value_loss,
     proximal_rloo_loss,
     rloo_advantages,
     rloo_loss,
@@ -136,13 +153,56 @@ def add_rloo_advantages(microbatches: list[dict], k: int, beta: float) -> dict:
     return {"rloo/kl": kl.mean().item(), "rloo/regularised_reward": (scores - beta * kl).mean().item()}
 
 
+def add_ppo_advantages(microbatches: list[dict], kl_coef: float, gamma: float, lam: float) -> dict:
+    """PPO advantages and returns from KL-shaped per-token rewards and GAE over V_old.
+
+    Needs `ref_logprobs`, `gen_logprobs` and `old_values` in each microbatch; adds `advantages`
+    (whitened over every completion token of the real rows of ALL the given microbatches, 0
+    elsewhere) and `returns` (advantages + V_old, before whitening). Returns batch metrics.
+    """
+    if any("gen_logprobs" not in mb for mb in microbatches):
+        raise ValueError("trainer.algorithm=ppo: the KL-shaped reward needs the generating policy's logprobs, "
+                         "and some samples came without them")
+    tokens = []  # per microbatch: [b, s] bool, completion tokens of real rows
+    for mb in microbatches:
+        mask = mb["loss_mask"]
+        rewards = kl_penalized_rewards(mb["rewards"], mb["gen_logprobs"], mb["ref_logprobs"], mask, kl_coef)
+        mb["advantages"], mb["returns"] = gae(rewards, mb["old_values"], mask, gamma, lam)
+        tokens.append((mask > 0) & (mb["row_weight"] > 0)[:, None])
+    raw = torch.cat([mb["advantages"][t] for mb, t in zip(microbatches, tokens)])
+    white = masked_whiten(raw, torch.ones_like(raw))
+    start = 0
+    for mb, t in zip(microbatches, tokens):
+        n = int(t.sum())
+        mb["advantages"] = torch.zeros_like(mb["advantages"])
+        mb["advantages"][t] = white[start:start + n]
+        start += n
+    returns = torch.cat([mb["returns"][t] for mb, t in zip(microbatches, tokens)])
+    values = torch.cat([mb["old_values"][t] for mb, t in zip(microbatches, tokens)])
+    real = [mb["row_weight"] > 0 for mb in microbatches]
+    kl = torch.cat([sequence_kl(mb["gen_logprobs"], mb["ref_logprobs"], mb["loss_mask"])[r]
+                    for mb, r in zip(microbatches, real)])
+    return {"ppo/kl": kl.mean().item(), "ppo/advantage_raw_mean": raw.mean().item(),
+            "ppo/return_mean": returns.mean().item(), "ppo/value_old_mean": values.mean().item(),
+            # 1 - Var(R - V) / Var(R): how much of the returns' variance V_old explains (1 = all)
+            "ppo/explained_variance": (1 - (returns - values).var(unbiased=False)
+                                       / returns.var(unbiased=False).clamp(min=1e-8)).item()}
+
+
+def make_value_loss_fn(clip_eps: float, vf_coef: float):
+    """The PPO value model's per-microbatch loss: (values, mb) -> (vf_coef x clipped value loss, metrics)."""
+    def value_loss_fn(values: torch.Tensor, mb: dict):
+        real = mb["row_weight"] > 0
+        loss, m = ppo_value_loss(values[real], mb["old_values"][real], mb["returns"][real], mb["loss_mask"][real],
+                                 clip_eps)
+        return vf_coef * loss * mb["loss_scale"], m
+
+    return value_loss_fn
+
+
 def make_loss_fn(algorithm: str, beta: float, dpo_loss_type: str = "sigmoid", clip_eps: float = 0.2,
                  dpo_nll_coef: float = 0.0):
     """The per-microbatch loss for `learner.logprobs.forward_backward`: (logprobs, mb) -> (loss, metrics)."""
-    if algorithm == "ppo":
-        raise NotImplementedError("trainer.algorithm=ppo: the learner has no value model yet; "
-                                  "use online_dpo, rloo, proximal_rloo or best_of_k_sft")
-
     def loss_fn(logprobs: torch.Tensor, mb: dict):
         mask, real = mb["loss_mask"], mb["row_weight"] > 0
         metrics = {}
@@ -163,6 +223,9 @@ def make_loss_fn(algorithm: str, beta: float, dpo_loss_type: str = "sigmoid", cl
                                          mb["advantages"][real], clip_eps)
         elif algorithm == "best_of_k_sft":
             loss, m = best_of_k_sft_loss(logprobs[real], mask[real])
+        elif algorithm == "ppo":
+            loss, m = ppo_policy_loss(logprobs[real], mb["old_logprobs"][real], mb["advantages"][real], mask[real],
+                                      clip_eps)
         else:
             raise ValueError(f"unknown algorithm {algorithm!r}")
         if "gen_logprobs" in mb:  # learner vs generator on the trained tokens (drift + numerics)

@@ -233,17 +233,6 @@ def fold_rollout(out_dir: Path, argv: list[str]) -> dict:
 # ----------------------------------------------------------------------------- bench sweep
 
 
-def ppo_refusal() -> str | None:
-    """The trainer's own refusal of PPO (None if it would run)."""
-    from megatron_async import algorithms
-
-    try:
-        algorithms.make_loss_fn("ppo", beta=0.1)
-    except NotImplementedError as e:
-        return str(e)
-    return None
-
-
 def sweep_plan(algorithms: list[str], ns: list[int], ts: list[int], ks: list[int]) -> list[dict]:
     """Runs of the sweep: N for every algorithm, T and K for the first one (N=1, T=1, K=config)."""
     plan = [{"algorithm": a, "knob": "N", "value": n, "overrides": [f"trainer.minibatches={n}"]}
@@ -258,14 +247,7 @@ def sweep_plan(algorithms: list[str], ns: list[int], ts: list[int], ks: list[int
 def bench_sweep(args) -> int:
     out_dir = Path(args.out_dir).resolve()
     started = machine()
-    algorithms, rows = [], []
-    for a in args.algorithms:
-        why = ppo_refusal() if a == "ppo" else None
-        if why:
-            print(f"sweep: skipping {a}: the trainer refuses it: {why}")
-            rows.append({"algorithm": a, "knob": "N", "value": "", "status": f"refused by the trainer: {why}"})
-        else:
-            algorithms.append(a)
+    algorithms, rows = args.algorithms, []
     base = [*pin_overrides(args.pin), f"rollout.max_lag={args.max_lag}", *args.overrides,
             "trainer.checkpoint_every=0"]
     shared = prepare_sft(args.config, base, out_dir, args.timeout_s, args.init_model)

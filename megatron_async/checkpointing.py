@@ -2,6 +2,8 @@
 
     <run dir>/checkpoints/step_000010/   learner.checkpoint directory (dist_checkpointing: model,
                                          optimizer, scheduler; manifest with sha256 of every file)
+        value/                           PPO only: the value model's own learner checkpoint (model,
+                                         optimizer, scheduler), covered by the outer manifest
         rollout_state.json               the rollout buffer (generated, untrained batches), the
                                          prompt iterator position after the last generated batch,
                                          the policy version, metric history
@@ -29,6 +31,7 @@ from megatron_async.producer import batch_from_json, batch_to_json
 log = logging.getLogger(__name__)
 
 ROLLOUT_STATE = "rollout_state.json"
+VALUE_STAGING = "value.staging"  # not step_*: a crash's leftover is never loaded, and replaced next save
 KEEP = 2  # newest checkpoints kept
 
 
@@ -56,8 +59,12 @@ def save_run_checkpoint(trainer, next_step: int) -> Path:
         tmpdir = Path(tempfile.mkdtemp(prefix="rollout-state-"))
         (tmpdir / ROLLOUT_STATE).write_text(json.dumps(state))
         files = {ROLLOUT_STATE: tmpdir / ROLLOUT_STATE}
+    parts = {}
+    if trainer.value is not None:  # PPO: saved complete first, then moved into the run checkpoint
+        parts["value"] = save_checkpoint(root / VALUE_STAGING, trainer.value, trainer.value_optimizer,
+                                         trainer.value_scheduler)
     save_checkpoint(path, trainer.policy, trainer.optimizer, trainer.scheduler,
-                    extra={"next_step": next_step, "version": trainer.version}, files=files)
+                    extra={"next_step": next_step, "version": trainer.version}, files=files, parts=parts)
     if trainer.rank0:
         shutil.rmtree(tmpdir, ignore_errors=True)
         atomic_write_text(root / "latest", path.name)
@@ -81,6 +88,11 @@ def load_run_checkpoint(trainer, path: Path) -> dict:
     from megatron_async.learner.checkpoint import load_checkpoint
 
     extra = load_checkpoint(path, trainer.policy, trainer.optimizer, trainer.scheduler)
+    if trainer.value is not None:
+        if not (path / "value").is_dir():
+            raise ValueError(f"{path} has no value model (value/): it was not saved by a trainer.algorithm=ppo "
+                             f"run, so trainer.algorithm={trainer.cfg.trainer.algorithm} cannot resume from it")
+        load_checkpoint(path / "value", trainer.value, trainer.value_optimizer, trainer.value_scheduler)
     state = json.loads((path / ROLLOUT_STATE).read_text())
     if state["next_step"] != extra["next_step"]:
         raise ValueError(f"{path}: {ROLLOUT_STATE} is for step {state['next_step']}, the learner state for {extra['next_step']}")

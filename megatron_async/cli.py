@@ -7,6 +7,7 @@
     megatron-async config configs/cpu_tiny.yaml trainer.lr=1e-6      # validate + print resolved
     megatron-async bench async configs/cpu_tiny.yaml
     megatron-async placement cfg.yaml placement.nnodes=2 placement.gpus_per_node=8 --node-rank 1
+    megatron-async serve-replicas cfg.yaml placement.dedicated_replica_node=true ...   # replica node
 
 Config overrides are `section.key=value` words after the config file; values are parsed as YAML
 (`trainer.lr=1e-6`, `rollout.stop=["\\n"]`).
@@ -19,11 +20,12 @@ import sys
 
 SUBCOMMANDS = {
     "train": "run asynchronous RL training (Online DPO by default): learner + vLLM replicas",
-    "eval": "GSM8k-style pass@1 with greedy decoding through vLLM replicas",
+    "eval": "greedy held-out evaluation through vLLM replicas: pass@1 (exact match) or mean RM score",
     "convert": "HF <-> Megatron checkpoint conversion (hf-to-megatron, megatron-to-hf)",
     "bench": "benchmarks: async vs sync speedup, off-policy sweep, rollout/sync throughput",
     "config": "validate a config with overrides and print the resolved YAML",
     "placement": "print one node's GPU layout as shell variables (NPROC_PER_NODE, ...) for launch/ scripts",
+    "serve-replicas": "on a dedicated replica node: start its vLLM replicas for learner rank 0 (rollout/host.py)",
 }
 
 
@@ -55,7 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help=SUBCOMMANDS["bench"], description=SUBCOMMANDS["bench"], add_help=False)
     with_config(sub.add_parser("config", help=SUBCOMMANDS["config"], description=SUBCOMMANDS["config"]))
     pl = with_config(sub.add_parser("placement", help=SUBCOMMANDS["placement"], description=SUBCOMMANDS["placement"]))
-    pl.add_argument("--node-rank", type=int, required=True, help="torchrun --node-rank of this node")
+    pl.add_argument("--node-rank", type=int, required=True, help="this node's rank in the job (0..placement.nnodes-1)")
+    sr = with_config(sub.add_parser("serve-replicas", help=SUBCOMMANDS["serve-replicas"],
+                                    description=SUBCOMMANDS["serve-replicas"]))
+    sr.add_argument("--wait-s", type=float, default=3600.0,
+                    help="exit if learner rank 0 has not connected by then (it connects after building the model and SFT)")
     return parser
 
 
@@ -121,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         return _print_placement(cfg, args.node_rank)
     if args.command == "train":
         return _load("megatron_async.train", "train").main(cfg, args.config, args.overrides, nproc=args.nproc)
+    if args.command == "serve-replicas":
+        return _load("megatron_async.rollout.host", "serve-replicas").main(cfg, wait_s=args.wait_s)
     if args.command == "eval":
         return _load("megatron_async.evaluate", "eval").main(cfg, checkpoint=args.checkpoint, data=args.data,
                                                              output=args.output)
@@ -130,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 def _print_placement(cfg, node_rank: int) -> int:
     """Shell assignments for one node (launch scripts `eval` them): how many learner ranks, which GPUs."""
     from megatron_async.config import ConfigError
-    from megatron_async.placement import check_fit
+    from megatron_async.placement import check_fit, learner_nodes
 
     p = cfg.placement
     if not p.gpus_per_node:
@@ -144,11 +152,13 @@ def _print_placement(cfg, node_rank: int) -> int:
     except ConfigError as e:
         print(f"megatron-async: config error: {e}", file=sys.stderr)
         return 2
-    node = layouts[node_rank]
-    print(f"NPROC_PER_NODE={len(node.learner)}")
+    node, learners = layouts[node_rank], learner_nodes(cfg)
+    print(f"NPROC_PER_NODE={len(node.learner)}")  # 0: a dedicated replica node (serve-replicas, no torchrun)
     print(f"LEARNER_GPUS={','.join(map(str, node.learner))}")
     print(f"REPLICA_GPUS={','.join(str(i) for ids in node.replicas for i in ids)}")
     print(f"WORLD_SIZE={sum(len(n.learner) for n in layouts)}")
+    print(f"TORCHRUN_NNODES={len(learners)}")  # torchrun spans the learner nodes only
+    print(f"TORCHRUN_NODE_RANK={learners.index(node_rank) if node_rank in learners else ''}")
     return 0
 
 

@@ -71,7 +71,12 @@ class DataConfig:
     # "synthetic" (procedural GSM8k-style arithmetic), a .jsonl/.parquet path, or a datasets name
     train: str = "synthetic"
     eval: str = "synthetic"  # held-out problems, same forms as `train`
-    eval_size: int = 64  # problems evaluated for pass@1 (0 = all)
+    eval_size: int = 64  # held-out prompts evaluated, for pass@1 or the RM score (0 = all)
+    # record fields of file / `datasets` sources (ignored for "synthetic"): the prompt text, and the
+    # reference answer (must end in a number: exact match and SFT need it). answer_key: null = prompts
+    # only (reward.kind=reward_model, sft.steps=0), e.g. No Robots: question_key: prompt
+    question_key: str = "question"
+    answer_key: str | None = "answer"
     prompt_template: str = "Question: {question}\nAnswer:"
     max_prompt_tokens: int = 256  # longer prompts are an error (or dropped, see on_long_prompt)
     on_long_prompt: Literal["error", "drop"] = "error"
@@ -99,6 +104,10 @@ class RolloutConfig:
     max_replica_failures: int = 3  # restarts before the run stops with an error
     sync_bucket_mb: int = 64  # weight sync bucket cap (MB)
     sync_timeout_s: float = 120.0  # a weight sync slower than this fails loudly
+    # how weight buckets reach the replicas (weights/sync.py): socket (bytes on the control socket),
+    # shm (a /dev/shm segment; replicas on this host), nccl (GPU broadcast; not yet run on a GPU);
+    # auto = shm for replicas on this host (loopback address), socket for remote ones
+    weight_transport: Literal["auto", "socket", "shm", "nccl"] = "auto"
     generate_timeout_s: float = 600.0  # a generation chunk slower than this fails the replica
     # CPU ids every replica process pins itself to ("1", "2-3"); "" = no pinning (if the learner
     # is pinned, replicas get the CPUs the learner had before pinning). See cpu_affinity.py.
@@ -127,6 +136,8 @@ class TrainerConfig:
     dpo_nll_coef: float = 0.0
     clip_eps: float = 0.2  # PPO / Proximal RLOO ratio clip
     vf_coef: float = 0.1  # PPO value loss weight
+    # PPO value model learning rate (its own Adam; the policy's schedule, scaled); None = trainer.lr
+    value_lr: float | None = None
     gamma: float = 1.0  # PPO discount
     lam: float = 0.95  # PPO GAE lambda
     checkpoint_every: int = 10  # steps between checkpoints (0 = only at the end)
@@ -143,9 +154,14 @@ class SFTConfig:
 
 @dataclass
 class RewardConfig:
+    # how a completion is scored: rewards.make_scorer (README "Rewards")
     kind: Literal["gsm8k_exact_match", "reward_model"] = "gsm8k_exact_match"
-    model_path: str = ""  # HF sequence-classification checkpoint (kind=reward_model)
-    timeout_s: float = 30.0  # per-sample reward timeout
+    model_path: str = ""  # HF sequence-classification checkpoint, num_labels=1 (kind=reward_model)
+    batch_size: int = 16  # kind=reward_model: texts per RM forward pass
+    max_length: int = 1024  # kind=reward_model: prompt + completion tokens kept (cut on the left)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # kind=reward_model: RM weights
+    # exact match: per sample; reward_model: per forward pass of batch_size texts
+    timeout_s: float = 30.0
     on_error: Literal["drop", "stop"] = "drop"  # a failed sample is dropped (counted) or stops the run
 
 
@@ -154,9 +170,13 @@ class PlacementConfig:
     """Where learner ranks and replicas run; see megatron_async/placement.py and README "Multi-node"."""
 
     nnodes: int = 1  # nodes in the job (torchrun --nnodes); learner ranks run on every node
-    # node rank hosting the vLLM replicas. Only 0: they are subprocesses of global rank 0, which a
-    # static torchrun rendezvous (--node-rank) puts on node 0.
+    # node rank hosting the vLLM replicas. Without a dedicated replica node only 0: they are then
+    # subprocesses of global rank 0, which a static torchrun rendezvous (--node-rank) puts on node 0.
     replica_node: int = 0
+    # the replica node runs no learner ranks: `megatron-async serve-replicas` starts its replicas and
+    # learner rank 0's pool drives it over TCP (needs rollout.token); torchrun spans nnodes - 1 nodes
+    dedicated_replica_node: bool = False
+    replica_server_port: int = 29510  # serve-replicas listens on rollout.host:this (dedicated node)
     gpus_per_node: int = 0  # GPUs per node; 0 = detect at launch. Ignored without CUDA.
     # CUDA ids of the learner ranks on each node (local rank i -> learner_gpus[i]); "auto" = every
     # GPU of the node that is not a replica GPU (so the replica node may run fewer learner ranks)
@@ -336,11 +356,22 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _require(r.k >= 2, "rollout.k", r.k, f"{t.algorithm} compares completions of a prompt: needs K >= 2")
     _require(t.lr > 0, "trainer.lr", t.lr, "must be > 0")
     _require(0 <= t.min_lr <= t.lr, "trainer.min_lr", t.min_lr, "must be in [0, trainer.lr]")
+    if t.algorithm == "ppo":
+        _require(t.value_lr is None or t.value_lr > 0, "trainer.value_lr", t.value_lr, "must be > 0 (or null = trainer.lr)")
+        _require(t.vf_coef > 0, "trainer.vf_coef", t.vf_coef, "must be > 0 (the value model learns from it)")
+        _require(0 <= t.gamma <= 1, "trainer.gamma", t.gamma, "a discount must be in [0, 1]")
+        _require(0 <= t.lam <= 1, "trainer.lam", t.lam, "GAE lambda must be in [0, 1]")
+        _require(t.clip_eps > 0, "trainer.clip_eps", t.clip_eps, "must be > 0")
     _require(t.grad_clip >= 0, "trainer.grad_clip", t.grad_clip, "must be >= 0 (0 = no clipping)")
     _require(0 < r.temperature <= 10, "rollout.temperature", r.temperature, "sampling needs 0 < temperature <= 10")
     _require(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
     _require(r.kv_cache_gib > 0, "rollout.kv_cache_gib", r.kv_cache_gib, "vLLM on CPU needs a KV cache size > 0")
     _require(r.sync_bucket_mb >= 1, "rollout.sync_bucket_mb", r.sync_bucket_mb, "must be >= 1")
+    if r.weight_transport == "shm":
+        _require(r.host in ("127.0.0.1", "localhost") and not cfg.placement.dedicated_replica_node,
+                 "rollout.weight_transport", r.weight_transport,
+                 f"shared memory needs the replicas on the learner's host (rollout.host={r.host!r}, "
+                 f"placement.dedicated_replica_node={cfg.placement.dedicated_replica_node}): use auto or socket")
     _require(r.prompts_per_step % t.minibatches == 0, "trainer.minibatches", t.minibatches,
              f"must divide rollout.prompts_per_step ({r.prompts_per_step})")
     _require(r.base_port == 0 or 1024 <= r.base_port <= 65535 - r.num_replicas, "rollout.base_port", r.base_port,
@@ -350,6 +381,15 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if cfg.reward.kind == "reward_model":
         _require(bool(cfg.reward.model_path), "reward.model_path", "", "reward.kind=reward_model needs a checkpoint")
         _require_dir(cfg.reward.model_path, "reward.model_path")
+        _require(cfg.reward.batch_size >= 1, "reward.batch_size", cfg.reward.batch_size, "must be >= 1")
+        _require(cfg.reward.max_length >= 1, "reward.max_length", cfg.reward.max_length, "must be >= 1")
+        _require(t.algorithm != "best_of_k_sft", "trainer.algorithm", t.algorithm,
+                 "trains on completions that are an exact match (reward 1): needs reward.kind=gsm8k_exact_match")
+    if cfg.data.answer_key is None:  # prompts without a reference answer
+        _require(cfg.reward.kind == "reward_model", "data.answer_key", None,
+                 f"reward.kind={cfg.reward.kind} compares with the reference answer: name its field")
+        _require(cfg.sft.steps == 0, "data.answer_key", None,
+                 f"sft.steps={cfg.sft.steps} trains on the reference answer: name its field or set sft.steps=0")
     for key in ("data.train", "data.eval"):
         _require_data_source(getattr(cfg.data, key.split(".")[1]), key)
     if cfg.model.hf_path != "tiny":

@@ -1,9 +1,13 @@
-"""pass@1 on GSM8k-style problems with greedy decoding through the vLLM replicas.
+"""Held-out evaluation with greedy decoding through the vLLM replicas, scored by the run's reward.
 
     megatron-async eval configs/cpu_tiny.yaml --checkpoint runs/cpu_tiny/hf_final --output eval.json
 
-`pass_at_1` is what the trainer calls before and after RL (on its own pool); `main` starts a
-pool on any HF checkpoint and evaluates any jsonl/parquet file or `datasets` name.
+The headline number is the mean reward of the greedy completions over the prompts that could be
+scored, named by `reward.kind` (EVAL_METRIC): pass@1 for GSM8k exact match, the mean reward-model
+score ("rm_score") for a reward model. Samples that could not be scored are counted ("errors",
+"timeouts") and left out of the mean, never counted as 0. `greedy_eval` is what the trainer calls
+before and after RL (on its own pool and scorer); `main` starts a pool on any HF checkpoint and
+evaluates any jsonl/parquet file or `datasets` name.
 """
 from __future__ import annotations
 
@@ -15,25 +19,34 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def pass_at_1(pool, tokenizer, prompts, max_new_tokens: int, stop=()) -> dict:
-    """Greedy completion of every prompt; exact match of its final number with the reference."""
-    from megatron_async.rewards import gsm8k_reward
+EVAL_METRIC = {"gsm8k_exact_match": "pass@1", "reward_model": "rm_score"}  # reward.kind -> name
+
+
+def greedy_eval(pool, tokenizer, prompts, scorer, reward_kind: str, max_new_tokens: int, stop=(),
+                on_error: str = "drop") -> dict:
+    """Greedy completion of every prompt, scored by `scorer` (rewards.make_scorer).
+
+    Returns {"metric": name, name: mean reward, "n", "scored", "errors", "timeouts", "results"};
+    under on_error="stop" a sample that cannot be scored raises instead.
+    """
     from megatron_async.rollout.replica import Sampling
 
     sampling = Sampling(n=1, temperature=0.0, max_tokens=max_new_tokens, stop=tuple(stop), logprobs=False)
     records = pool.generate([p.ids for p in prompts], sampling)
-    results = []
-    for p, rec in zip(prompts, records):
-        text = tokenizer.decode(rec.token_ids, skip_special_tokens=True)
-        results.append({"id": p.problem.id, "reference": p.problem.answer, "completion": text,
-                        "correct": gsm8k_reward(p.text, text, p.problem.answer) == 1.0,
-                        "policy_version": rec.policy_version})
-    n_correct = sum(r["correct"] for r in results)
-    return {"pass@1": n_correct / len(results), "n": len(results), "correct": n_correct, "results": results}
+    texts = [tokenizer.decode(rec.token_ids, skip_special_tokens=True) for rec in records]
+    report = scorer.score([p.text for p in prompts], texts, [p.problem.answer for p in prompts], on_error)
+    results = [{"id": p.problem.id, "reference": p.problem.answer, "completion": text, "reward": s.reward,
+                "error": s.error, "policy_version": rec.policy_version}
+               for p, text, rec, s in zip(prompts, texts, records, report.scores)]
+    kept = [s.reward for s in report.kept()]
+    metric = EVAL_METRIC[reward_kind]
+    return {"metric": metric, metric: sum(kept) / len(kept) if kept else float("nan"), "n": len(results),
+            "scored": len(kept), "errors": report.n_errors, "timeouts": report.n_timeouts, "results": results}
 
 
 def main(cfg, checkpoint: str | None = None, data: str | None = None, output: str | None = None) -> int:
     from megatron_async.io_utils import atomic_write_text
+    from megatron_async.rewards import make_scorer
     from megatron_async.rollout.pool import ReplicaPool
     from megatron_async.trainer import load_tokenizer, replica_env, replica_spec, tokenized_problems
 
@@ -44,10 +57,18 @@ def main(cfg, checkpoint: str | None = None, data: str | None = None, output: st
     tokenizer = load_tokenizer(model)
     prompts, dropped = tokenized_problems(cfg, tokenizer, data or cfg.data.eval, "test", cfg.data.eval_size)
     r = cfg.rollout
-    with ReplicaPool(replica_spec(cfg, model), r.num_replicas, host=r.host, authkey=r.token or None, env=replica_env()) as pool:
-        result = pass_at_1(pool, tokenizer, prompts, r.max_new_tokens, r.stop)
+    scorer = make_scorer(cfg.reward)
+    try:
+        with ReplicaPool(replica_spec(cfg, model), r.num_replicas, host=r.host, authkey=r.token or None,
+                         env=replica_env()) as pool:
+            result = greedy_eval(pool, tokenizer, prompts, scorer, cfg.reward.kind, r.max_new_tokens, r.stop,
+                                 cfg.reward.on_error)
+    finally:
+        scorer.close()
     result["dropped_long_prompts"] = dropped
-    print(f"pass@1 = {result['pass@1']:.4f} ({result['correct']}/{result['n']}) on {data or cfg.data.eval}")
+    metric = result["metric"]
+    print(f"{metric} = {result[metric]:.4f} over {result['scored']}/{result['n']} scored prompts "
+          f"({result['errors']} errors, {result['timeouts']} timeouts) on {data or cfg.data.eval}")
     if output:
         atomic_write_text(output, json.dumps(result, indent=1))
     return 0

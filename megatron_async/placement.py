@@ -1,23 +1,28 @@
 """Placement: which node runs the vLLM replicas, and which GPUs the learner ranks and replicas use.
 
-The one supported layout (see README "Multi-node" and docs/scaling.md):
+Two layouts (see README "Multi-node" and docs/scaling.md). Either way torchrun starts the learner
+ranks with a *static* rendezvous (`--nnodes --node-rank --master-addr`), global rank 0 owns the
+`ReplicaPool` and the rollout producer, and the replicas serve over TCP.
 
-- torchrun starts the learner ranks on every node of the job with a *static* rendezvous
-  (`--nnodes N --node-rank R --master-addr HOST0`), so global rank 0 is local rank 0 of node 0.
-- Global rank 0 owns the `ReplicaPool` (replicas are its subprocesses) and the rollout producer,
-  so the replicas run on node 0: `placement.replica_node` must be 0. (Putting them elsewhere would
-  mean moving the pool, the producer and the control broadcasts off rank 0; not done, refused.)
-- On node 0 the GPUs are split: `placement.replica_gpus` for the replicas (`rollout.replica_tp`
-  consecutive ids each, vLLM's own tensor parallelism), `placement.learner_gpus` for the learner
-  ranks; other nodes give all their GPUs (or `learner_gpus`) to the learner. With "auto" the
-  learner rank count may differ per node (torchrun supports that); `megatron-async placement`
-  prints each node's `--nproc-per-node` for the launch scripts.
+- Shared replica node (default): replicas are subprocesses of global rank 0, so they run on node 0
+  (`placement.replica_node` must be 0). Node 0's GPUs are split: `placement.replica_gpus` for the
+  replicas (`rollout.replica_tp` consecutive ids each, vLLM's own tensor parallelism),
+  `placement.learner_gpus` for the learner ranks; other nodes give all their GPUs (or
+  `learner_gpus`) to the learner, so node 0 may run fewer learner ranks (torchrun allows that).
+- Dedicated replica node (`placement.dedicated_replica_node: true`): node `replica_node` (any) runs
+  no learner ranks; `megatron-async serve-replicas` there starts its replicas on `replica_gpus`
+  (rollout/host.py) and rank 0's pool drives it at `rollout.host:placement.replica_server_port`.
+  torchrun spans the other nnodes - 1 nodes: its --node-rank counts learner nodes only (placement
+  node n > replica_node is torchrun node n - 1). Needs `rollout.token` (two processes share it).
+- `megatron-async placement --node-rank N` prints each node's `--nproc-per-node` (0 on a dedicated
+  replica node) and torchrun node rank for the launch scripts.
 - Learner local rank i uses `learner(node)[i]`; replica j gets `CUDA_VISIBLE_DEVICES` = its ids.
   Ids are CUDA indices as this process sees them (i.e. within CUDA_VISIBLE_DEVICES if the launcher
   set it); replica ids are translated back to the parent's CUDA_VISIBLE_DEVICES entries.
 - Weight sync connects from each pipeline stage's source rank (TP rank 0, DP rank 0) to every
   replica. If such a rank is on another node, the replicas must bind a routable `rollout.host`
-  (which requires `rollout.token`); loopback works only when all senders share node 0.
+  (which requires `rollout.token`); loopback works only when all senders share the replica node,
+  i.e. never with a dedicated replica node on real nodes.
 
 Without CUDA, GPU lists are ignored (the CPU test runs two "nodes" on one machine).
 """
@@ -60,12 +65,22 @@ def check_static(cfg: Config) -> None:
         raise ConfigError(f"key 'placement.nnodes' = {p.nnodes}: must be >= 1")
     if not 0 <= p.replica_node < p.nnodes:
         raise ConfigError(f"key 'placement.replica_node' = {p.replica_node}: must be a node rank in [0, {p.nnodes})")
-    if p.replica_node != 0:
+    if p.replica_node != 0 and not p.dedicated_replica_node:
         raise ConfigError(
-            f"key 'placement.replica_node' = {p.replica_node}: only 0 is supported. The replicas are "
-            "subprocesses of global learner rank 0 (which owns the pool and the rollout producer), and a "
-            "static torchrun rendezvous puts rank 0 on node rank 0: give the node that should host the "
-            "replicas --node-rank 0 instead")
+            f"key 'placement.replica_node' = {p.replica_node}: must be 0 unless placement.dedicated_replica_node "
+            "is true. Replicas on a learner node are subprocesses of global learner rank 0, which a static torchrun "
+            "rendezvous puts on node 0; a node that only hosts replicas runs `megatron-async serve-replicas`")
+    if p.dedicated_replica_node:
+        if p.nnodes < 2:
+            raise ConfigError(f"key 'placement.dedicated_replica_node' = True: needs placement.nnodes >= 2 "
+                              f"(the replica node runs no learner ranks), got {p.nnodes}")
+        if not r.token:
+            raise ConfigError("key 'rollout.token' = '': a dedicated replica node needs the shared secret: learner rank "
+                              "0 and `serve-replicas` authenticate with it (set it or $MEGATRON_ASYNC_ROLLOUT_TOKEN)")
+        ports = range(r.base_port, r.base_port + r.num_replicas) if r.base_port else range(0)
+        if not 1024 <= p.replica_server_port <= 65535 or p.replica_server_port in ports:
+            raise ConfigError(f"key 'placement.replica_server_port' = {p.replica_server_port}: must be in [1024, 65535] "
+                              f"and not a replica port (rollout.base_port + i)")
     if p.gpus_per_node < 0:
         raise ConfigError(f"key 'placement.gpus_per_node' = {p.gpus_per_node}: must be >= 0 (0 = detect)")
     learner, replica = _ids(cfg, "learner_gpus"), _ids(cfg, "replica_gpus")
@@ -74,7 +89,7 @@ def check_static(cfg: Config) -> None:
         raise ConfigError(
             f"key 'placement.replica_gpus' = {replica}: {len(replica)} GPUs cannot hold rollout.num_replicas x "
             f"rollout.replica_tp = {r.num_replicas} x {r.replica_tp} = {need}")
-    if learner is not None and replica is not None and set(learner) & set(replica):
+    if learner is not None and replica is not None and set(learner) & set(replica) and not p.dedicated_replica_node:
         raise ConfigError(
             f"key 'placement.learner_gpus' = {learner}: overlaps placement.replica_gpus = {replica} "
             f"(GPUs {sorted(set(learner) & set(replica))}); the replica node needs them apart")
@@ -89,18 +104,20 @@ def node_layout(cfg: Config, node_rank: int, gpus_on_node: int) -> NodeLayout:
         if ids is not None and max(ids) >= gpus_on_node:
             raise ConfigError(f"key '{key}' = {ids}: node {node_rank} has only {gpus_on_node} GPUs (ids 0..{gpus_on_node - 1})")
     if node_rank == p.replica_node:
-        if replica is None:  # auto: the last GPUs of the node
-            if need >= gpus_on_node:
-                raise ConfigError(
-                    f"key 'rollout.num_replicas' = {r.num_replicas}: num_replicas x replica_tp = {need} leaves none of "
-                    f"node {node_rank}'s {gpus_on_node} GPUs for the learner (placement.replica_gpus=auto)")
-            replica = list(range(gpus_on_node - need, gpus_on_node))
-        replica = replica[:need]
+        what = f"key 'rollout.num_replicas' = {r.num_replicas}: num_replicas x replica_tp = {need}"
+        if need > gpus_on_node:
+            raise ConfigError(f"{what} exceeds node {node_rank}'s {gpus_on_node} GPUs")
+        if need == gpus_on_node and not p.dedicated_replica_node:
+            raise ConfigError(f"{what} leaves none of node {node_rank}'s {gpus_on_node} GPUs for learner rank 0, whose "
+                              "subprocesses the replicas are (placement.dedicated_replica_node=true runs them alone)")
+        replica = (replica or list(range(gpus_on_node - need, gpus_on_node)))[:need]  # auto: the node's last GPUs
+        groups = [replica[i * r.replica_tp:(i + 1) * r.replica_tp] for i in range(r.num_replicas)]
+        if p.dedicated_replica_node:
+            return NodeLayout(learner=[], replicas=groups)
         if learner is None:
             learner = [g for g in range(gpus_on_node) if g not in replica]
         elif set(learner) & set(replica):
             raise ConfigError(f"key 'placement.learner_gpus' = {learner}: overlaps the replica GPUs {replica} on node {node_rank}")
-        groups = [replica[i * r.replica_tp:(i + 1) * r.replica_tp] for i in range(r.num_replicas)]
     else:
         learner, groups = (learner if learner is not None else list(range(gpus_on_node))), []
     return NodeLayout(learner=learner, replicas=groups)
@@ -129,13 +146,20 @@ def check_fit(cfg: Config, gpus_on_node: int, world_size: int | None) -> list[No
                 raise ConfigError(
                     f"key 'rollout.host' = {cfg.rollout.host!r}: the weight-sync sender of pipeline stage {stage} "
                     f"(rank {sender}) is on node {node_of_rank[sender]}, but loopback replicas on node {p.replica_node} "
-                    "are unreachable from there: set rollout.host to node 0's address on the job network (and rollout.token)")
+                    f"are unreachable from there: set rollout.host to node {p.replica_node}'s address on the job network "
+                    "(and rollout.token)")
     return layouts
 
 
 def nproc_per_node(cfg: Config, node_rank: int, gpus_on_node: int) -> int:
     """Learner ranks torchrun must start on `node_rank` (launch scripts ask `megatron-async placement`)."""
     return len(check_fit(cfg, gpus_on_node, None)[node_rank].learner)
+
+
+def learner_nodes(cfg: Config) -> list[int]:
+    """Placement node ranks that run learner ranks, in torchrun --node-rank order."""
+    p = cfg.placement
+    return [n for n in range(p.nnodes) if not (p.dedicated_replica_node and n == p.replica_node)]
 
 
 # ----------------------------------------------------------------------------- runtime (under torchrun)
@@ -150,15 +174,16 @@ def _gpus() -> int:
 def check_runtime(cfg: Config) -> None:
     """On every learner rank, before building: torchrun's node count and this node's rank count."""
     p = cfg.placement
-    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
-    if nodes != p.nnodes:
-        raise ConfigError(f"key 'placement.nnodes' = {p.nnodes}: torchrun started {nodes} node(s) (--nnodes)")
+    nodes, want_nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1")), len(learner_nodes(cfg))
+    if nodes != want_nodes:
+        dedicated = " of which one is the dedicated replica node (no torchrun there)" if p.dedicated_replica_node else ""
+        raise ConfigError(f"key 'placement.nnodes' = {p.nnodes}{dedicated}: torchrun started {nodes} node(s) "
+                          f"(--nnodes), expected {want_nodes}")
     gpus = _gpus()
     if not gpus:
         return  # CPU: device lists are ignored
-    if p.gpus_per_node and p.gpus_per_node != gpus:
-        raise ConfigError(f"key 'placement.gpus_per_node' = {p.gpus_per_node}: this node sees {gpus} CUDA devices")
-    node = int(os.environ.get("GROUP_RANK", "0"))
+    _check_gpu_count(cfg, gpus)
+    node = learner_nodes(cfg)[int(os.environ.get("GROUP_RANK", "0"))]
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     want = len(node_layout(cfg, node, gpus).learner)
     if local != want:
@@ -167,12 +192,28 @@ def check_runtime(cfg: Config) -> None:
             f"(torchrun --nproc-per-node={want}; see `megatron-async placement`), but torchrun started {local}")
 
 
+def _check_gpu_count(cfg: Config, gpus: int) -> None:
+    if cfg.placement.gpus_per_node and cfg.placement.gpus_per_node != gpus:
+        raise ConfigError(f"key 'placement.gpus_per_node' = {cfg.placement.gpus_per_node}: this node sees {gpus} CUDA devices")
+
+
+def check_replica_host(cfg: Config) -> None:
+    """In `serve-replicas`, before starting anything: the config must describe a dedicated replica node."""
+    if not cfg.placement.dedicated_replica_node:
+        raise ConfigError("key 'placement.dedicated_replica_node' = False: serve-replicas runs on a dedicated replica "
+                          "node; without one, learner rank 0 starts the replicas itself")
+    gpus = _gpus()
+    if gpus:
+        _check_gpu_count(cfg, gpus)
+        node_layout(cfg, cfg.placement.replica_node, gpus)  # the replicas fit this node
+
+
 def learner_device_index(cfg: Config) -> int | None:
     """CUDA index for this learner rank (LOCAL_RANK-th learner GPU of its node); None on CPU."""
     gpus = _gpus()
     if not gpus:
         return None
-    node = int(os.environ.get("GROUP_RANK", "0"))
+    node = learner_nodes(cfg)[int(os.environ.get("GROUP_RANK", "0"))]
     return node_layout(cfg, node, gpus).learner[int(os.environ.get("LOCAL_RANK", "0"))]
 
 
@@ -186,9 +227,9 @@ def replica_devices(cfg: Config) -> list[str] | None:
     return [",".join(name(i) for i in ids) for ids in node_layout(cfg, cfg.placement.replica_node, gpus).replicas]
 
 
-def check_reachable(pool_host: str, addresses: list) -> None:
-    """Every rank: loopback replica addresses are only reachable from the pool's own machine."""
-    if socket.gethostname() != pool_host and any(a[0] in LOOPBACK_HOSTS for a in addresses):
+def check_reachable(replica_machine: str, addresses: list) -> None:
+    """Every rank: loopback replica addresses are only reachable from the replicas' own machine."""
+    if socket.gethostname() != replica_machine and any(a[0] in LOOPBACK_HOSTS for a in addresses):
         raise ConfigError(
-            f"key 'rollout.host' = {addresses[0][0]!r}: replicas on {pool_host} bind to loopback, unreachable from "
+            f"key 'rollout.host' = {addresses[0][0]!r}: replicas on {replica_machine} bind to loopback, unreachable from "
             f"{socket.gethostname()}: set rollout.host to the replica node's address (and rollout.token)")

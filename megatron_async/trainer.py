@@ -80,11 +80,43 @@ def load_tokenizer(hf_dir: Path):
 def tokenized_problems(cfg: Config, tokenizer, source: str, split: str, size: int):
     from megatron_async.data import load_problems, tokenize_prompts
 
-    problems = load_problems(source, split, synthetic_size=size or 1000, seed=cfg.run.seed)
+    problems = load_problems(source, split, synthetic_size=size or 1000, seed=cfg.run.seed,
+                             question_key=cfg.data.question_key, answer_key=cfg.data.answer_key)
     if size:
         problems = problems[:size]
     return tokenize_prompts(problems, tokenizer, cfg.data.max_prompt_tokens, cfg.data.prompt_template,
                             cfg.data.on_long_prompt)
+
+
+def build_learner(cfg: Config, init_model: Path) -> dict[str, Any]:
+    """This rank's learner models from the initial HF checkpoint, as `Trainer` fields: policy (DDP,
+    with optimizer and scheduler), frozen reference, and for PPO the value model with its own."""
+    from megatron_async.learner.model import build_model
+    from megatron_async.learner.optimizer import OptimSettings, build_optimizer
+    from megatron_async.weights.mapping import load_hf_weights
+
+    policy = build_model(init_model)
+    load_hf_weights(policy, init_model)
+    reference = build_model(init_model)
+    load_hf_weights(reference, init_model)
+    for chunk in reference:
+        chunk.requires_grad_(False)
+        chunk.eval()
+    t = cfg.trainer
+    optim_steps = t.steps * t.minibatches * t.updates_per_batch
+    settings = OptimSettings(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+                             adam_beta2=t.adam_beta2, clip_grad=t.grad_clip, warmup_steps=t.warmup_steps,
+                             decay_steps=max(1, optim_steps - t.warmup_steps), decay_style=t.lr_decay)
+    policy, optimizer, scheduler = build_optimizer(policy, settings)
+    parts = dict(policy=policy, reference=reference, optimizer=optimizer, scheduler=scheduler)
+    if t.algorithm == "ppo":  # the value model starts from the policy's initial weights
+        from megatron_async.learner.value import build_value_model
+
+        value_lr = t.value_lr or t.lr  # the policy's schedule shape, scaled to value_lr
+        value_settings = dataclasses.replace(settings, lr=value_lr, min_lr=t.min_lr * value_lr / t.lr)
+        parts["value"], parts["value_optimizer"], parts["value_scheduler"] = build_optimizer(
+            build_value_model(init_model), value_settings)
+    return parts
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -102,7 +134,11 @@ class Trainer:
     optimizer: Any
     scheduler: Any
     tracker: Any
+    value: list | None = None  # PPO: DDP-wrapped value model chunks (learner/value.py)
+    value_optimizer: Any = None
+    value_scheduler: Any = None
     pool: Any = None  # rank 0 only
+    scorer: Any = None  # rank 0: rewards.Scorer (make_scorer), for training batches and evaluation
     producer: RolloutProducer | None = None  # rank 0 only
     prompts: Any = None  # rank 0: PromptIterator over tokenized prompts
     eval_prompts: list = dataclasses.field(default_factory=list)
@@ -122,10 +158,7 @@ class Trainer:
     # -- building ---------------------------------------------------------------------------------
     @classmethod
     def build(cls, cfg: Config) -> "Trainer":
-        from megatron_async.learner.model import build_model
-        from megatron_async.learner.optimizer import OptimSettings, build_optimizer
         from megatron_async.learner.parallel import init_parallel
-        from megatron_async.weights.mapping import load_hf_weights
 
         from megatron_async.placement import learner_device_index
 
@@ -148,20 +181,7 @@ class Trainer:
 
             init_model = run_sft(cfg, base, tokenizer, layout, tracker)
 
-        policy = build_model(init_model)
-        load_hf_weights(policy, init_model)
-        reference = build_model(init_model)
-        load_hf_weights(reference, init_model)
-        for chunk in reference:
-            chunk.requires_grad_(False)
-            chunk.eval()
-        t = cfg.trainer
-        optim_steps = t.steps * t.minibatches * t.updates_per_batch
-        settings = OptimSettings(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
-                                 adam_beta2=t.adam_beta2, clip_grad=t.grad_clip, warmup_steps=t.warmup_steps,
-                                 decay_steps=max(1, optim_steps - t.warmup_steps), decay_style=t.lr_decay)
-        policy, optimizer, scheduler = build_optimizer(policy, settings)
-        trainer = cls(cfg, layout, ctrl, tokenizer, init_model, policy, reference, optimizer, scheduler, tracker)
+        trainer = cls(cfg, layout, ctrl, tokenizer, init_model, tracker=tracker, **build_learner(cfg, init_model))
         trainer._start_rollout()
         if cfg.run.resume:
             trainer._resume()
@@ -181,15 +201,15 @@ class Trainer:
         self.push_weights(self.version)  # replicas started from version 0
 
     def _start_rollout(self) -> None:
-        """Rank 0 starts the replicas and the producer; every rank learns where the replicas are."""
-        import socket
-
+        """Rank 0 loads the prompts and starts the reward scorer and the replicas; every rank learns
+        where the replicas are. (The producer thread starts in `train`.)"""
         from megatron_async.placement import check_reachable
 
         cfg = self.cfg
         if self.rank0:
             from megatron_async.data.iterator import PromptIterator
             from megatron_async.placement import replica_devices
+            from megatron_async.rewards import make_scorer
             from megatron_async.rollout.pool import ReplicaPool
 
             train, dropped = tokenized_problems(cfg, self.tokenizer, cfg.data.train, "train", 0 if cfg.data.train != "synthetic" else 20000)
@@ -198,19 +218,26 @@ class Trainer:
                 log.warning("dropped %d training prompts over data.max_prompt_tokens=%d", dropped, cfg.data.max_prompt_tokens)
             self.prompts = PromptIterator(train, seed=cfg.run.seed)
             self.data_state = self.prompts.state_dict()
-            r = cfg.rollout
-            spec = replica_spec(cfg, self.init_model)
+            self.scorer = make_scorer(cfg.reward)  # a reward model's worker process starts here
+            r, p = cfg.rollout, cfg.placement
+            # absolute: a replica host started in another directory (or node: shared file system) reads it
+            spec = replica_spec(cfg, Path(self.init_model).resolve())
+            if p.dedicated_replica_node:  # `megatron-async serve-replicas` on that node starts them
+                where = {"server": (r.host, p.replica_server_port)}
+            else:  # subprocesses of this rank
+                where = {"log_dir": cfg.run_dir / "replicas", "devices": replica_devices(cfg),  # None on CPU
+                         "env": {**replica_env(), **replica_pin_env(r.replica_cpus)}}
             self.pool = ReplicaPool(spec, r.num_replicas, host=r.host, authkey=r.token or None,
-                                    log_dir=cfg.run_dir / "replicas", request_timeout_s=r.generate_timeout_s,
-                                    max_failures=r.max_replica_failures, base_port=r.base_port,
-                                    devices=replica_devices(cfg),  # None on CPU
-                                    env={**replica_env(), **replica_pin_env(r.replica_cpus)}).start()
-            box = [(self.pool.addresses, self.pool.authkey, socket.gethostname())]
+                                    request_timeout_s=r.generate_timeout_s, max_failures=r.max_replica_failures,
+                                    base_port=r.base_port, **where).start()
+            log.info("replicas on %s: %s (pids %s)", self.pool.machine,
+                     ", ".join(f"{h}:{port}" for h, port in self.pool.addresses), self.pool.pids())
+            box = [(self.pool.addresses, self.pool.authkey, self.pool.machine)]
         else:
             box = [None]
         dist.broadcast_object_list(box, src=0, group=self.ctrl)
-        self.replica_addresses, self.authkey, pool_host = box[0]
-        check_reachable(pool_host, self.replica_addresses)  # loopback replicas seen from another machine
+        self.replica_addresses, self.authkey, replica_machine = box[0]
+        check_reachable(replica_machine, self.replica_addresses)  # loopback replicas seen from another machine
 
     # -- the loop -----------------------------------------------------------------------------------
     def train(self) -> None:
@@ -278,10 +305,13 @@ class Trainer:
         from megatron_async.io_utils import atomic_write_text
 
         atomic_write_text(self.cfg.run_dir / "history.json", json.dumps(self.history, indent=0))  # for `bench`
+        from megatron_async.evaluate import EVAL_METRIC
+
+        metric = EVAL_METRIC[self.cfg.reward.kind]
         if before is not None:
-            print(f"pass@1 on {len(self.eval_prompts)} held-out problems: before {before:.3f} -> after {after:.3f}")
+            print(f"{metric} on {len(self.eval_prompts)} held-out problems: before {before:.3f} -> after {after:.3f}")
         elif after is not None:
-            print(f"pass@1 on {len(self.eval_prompts)} held-out problems after training: {after:.3f}")
+            print(f"{metric} on {len(self.eval_prompts)} held-out problems after training: {after:.3f}")
 
     def _wait_for(self, ready: Callable[[], Any]) -> Any:
         """All ranks: wait until rank 0's `ready()` returns non-None; repair stale replicas meanwhile."""
@@ -306,7 +336,7 @@ class Trainer:
 
     # -- one learner step (all ranks) ---------------------------------------------------------------
     def learner_step(self, batch: RolloutBatch, step: int) -> dict[str, float]:
-        from megatron_async.learner.logprobs import compute_logprobs
+        from megatron_async.learner.logprobs import compute_logprobs, compute_values
         from megatron_async.learner.optimizer import train_step
 
         cfg, t = self.cfg, self.cfg.trainer
@@ -322,7 +352,7 @@ class Trainer:
             log.warning("step %d: nothing to train on (all prompts tied or dropped)", step)
             return metrics
         # N minibatches (optimizer steps) per batch; within each, this DP rank's share. Units (a DPO
-        # pair, an RLOO group of K) are never split.
+        # pair, an RLOO / PPO group of K) are never split.
         unit = algorithms.row_unit(t.algorithm, cfg.rollout.k)
         per_minibatch = [algorithms.dp_shard(part, unit, self.layout.dp, self.layout.dp_rank)
                          for part in algorithms.split_units(rows, unit, t.minibatches)]
@@ -339,13 +369,23 @@ class Trainer:
                 mb["ref_logprobs"] = ref
             if t.algorithm in ("rloo", "proximal_rloo"):
                 metrics.update(algorithms.add_rloo_advantages(mbs, cfg.rollout.k, t.beta))
+            if t.algorithm == "ppo":  # pi_old and V_old: both models before this batch's first update
+                for mb, old, value in zip(mbs, compute_logprobs(self.policy, mbs), compute_values(self.value, mbs)):
+                    mb["old_logprobs"], mb["old_values"] = old, value
             minibatches.append(mbs)
+        if t.algorithm == "ppo":
+            metrics.update(algorithms.add_ppo_advantages([mb for mbs in minibatches for mb in mbs], t.beta, t.gamma, t.lam))
+        value_loss_fn = algorithms.make_value_loss_fn(t.clip_eps, t.vf_coef) if t.algorithm == "ppo" else None
         step_metrics: list[dict] = []
+        value_metrics: list[dict] = []
         for _ in range(t.updates_per_batch):  # T passes
             for mbs in minibatches:  # N optimizer steps
                 step_metrics.append(train_step(self.policy, self.optimizer, self.scheduler, mbs, loss_fn))
-        for key in step_metrics[0]:
-            metrics[f"train/{key}" if "/" not in key else key] = sum(m[key] for m in step_metrics) / len(step_metrics)
+                if value_loss_fn is not None:
+                    value_metrics.append(train_step(self.value, self.value_optimizer, self.value_scheduler, mbs,
+                                                    value_loss_fn))
+        metrics.update(mean_metrics(step_metrics, "train/"))
+        metrics.update(mean_metrics(value_metrics, "train_value/"))
         return metrics
 
     # -- weights -----------------------------------------------------------------------------------
@@ -364,7 +404,8 @@ class Trainer:
             # restarts it and `_wait_for` pushes to it before it takes work); only a push that
             # reaches no replica at all is an error.
             with WeightSender(addresses, self.authkey, timeout_s=self.cfg.rollout.sync_timeout_s,
-                              bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, strict=False) as sender:
+                              bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, strict=False,
+                              transport=self.cfg.rollout.weight_transport) as sender:
                 result = sender.push(version, lay.pp_rank, lay.pp, named)
             if result["failed"]:
                 if not result["replicas"]:
@@ -380,7 +421,6 @@ class Trainer:
 
     # -- generation side (rank 0, producer thread) ---------------------------------------------------
     def _make_batch(self, index: int) -> RolloutBatch:
-        from megatron_async.rewards import gsm8k_reward, score_samples
         from megatron_async.rollout.replica import Sampling
 
         r = self.cfg.rollout
@@ -395,10 +435,8 @@ class Trainer:
         t0 = time.monotonic()
         completions = [records[i * r.k:(i + 1) * r.k] for i in range(len(prompts))]
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in records]
-        report = score_samples([(prompts[c.prompt_index].text, text, prompts[c.prompt_index].problem.answer)
-                                for c, text in zip(records, texts)],
-                               gsm8k_reward, timeout_s=self.cfg.reward.timeout_s, on_error=self.cfg.reward.on_error)
-        report.enforce(self.cfg.reward.on_error, f"batch {index}")
+        report = self.scorer.score([prompts[c.prompt_index].text for c in records], texts,
+                                   [prompts[c.prompt_index].problem.answer for c in records], self.cfg.reward.on_error)
         scores = [s.reward if s.ok else None for s in report.scores]
         rewards = [scores[i * r.k:(i + 1) * r.k] for i in range(len(prompts))]
         return RolloutBatch(index=index, policy_version=-1, problems=[p.problem for p in prompts],
@@ -408,25 +446,30 @@ class Trainer:
 
     # -- evaluation, logging, shutdown ----------------------------------------------------------------
     def evaluate(self, tag: str) -> float | None:
-        """pass@1 with greedy decoding through the replicas (rank 0); None on other ranks."""
+        """The run's reward on greedy completions of the held-out prompts (evaluate.py: pass@1 for
+        exact match, the mean RM score for a reward model), rank 0; None on other ranks."""
         if not self.rank0 or not self.eval_prompts:
             return None
-        from megatron_async.evaluate import pass_at_1
+        from megatron_async.evaluate import greedy_eval
 
-        result = pass_at_1(self.pool, self.tokenizer, self.eval_prompts, self.cfg.rollout.max_new_tokens,
-                           stop=self.cfg.rollout.stop)
+        r = self.cfg.rollout
+        result = greedy_eval(self.pool, self.tokenizer, self.eval_prompts, self.scorer, self.cfg.reward.kind,
+                             r.max_new_tokens, r.stop, self.cfg.reward.on_error)
         path = self.cfg.run_dir / f"eval_{tag}.json"
         from megatron_async.io_utils import atomic_write_text
         import json
 
         atomic_write_text(path, json.dumps(result, indent=1))
-        metrics = {"eval/pass_at_1": result["pass@1"]}  # the curve, by policy version
+        metric = result["metric"]
+        name = "eval/" + metric.replace("@", "_at_")  # eval/pass_at_1 or eval/rm_score
+        metrics = {name: result[metric], "eval/reward_errors": float(result["errors"]),
+                   "eval/reward_timeouts": float(result["timeouts"])}  # the curve, by policy version
         if tag in ("before", "after"):
-            metrics[f"eval/pass_at_1_{tag}"] = result["pass@1"]
+            metrics[f"{name}_{tag}"] = result[metric]
         self.tracker.log_metrics(metrics, step=self.version)
         self.tracker.log_artifact(path)
-        log.info("pass@1 (%s) = %.3f on %d problems", tag, result["pass@1"], result["n"])
-        return result["pass@1"]
+        log.info("%s (%s) = %.3f on %d of %d problems", metric, tag, result[metric], result["scored"], result["n"])
+        return result[metric]
 
     def log_step(self, step: int, batch: RolloutBatch, metrics: dict[str, float]) -> None:
         if not self.rank0:
@@ -456,7 +499,15 @@ class Trainer:
             self.producer.stop()
         if self.pool is not None:
             self.pool.stop()
+        if self.scorer is not None:
+            self.scorer.close()
         self.tracker.close()
+
+
+def mean_metrics(per_step: list[dict], prefix: str) -> dict[str, float]:
+    """Mean over optimizer steps of each metric; names without a namespace get `prefix`."""
+    return {(key if "/" in key else prefix + key): sum(m[key] for m in per_step) / len(per_step)
+            for key in (per_step[0] if per_step else {})}
 
 
 def poisoned(loss_fn):

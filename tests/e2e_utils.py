@@ -21,6 +21,7 @@ SMALL = [
 # RLOO trains on every batch; Online DPO skips prompts whose K rewards tie, which for a barely
 # trained tiny model is most of them.
 RLOO = ["trainer.algorithm=rloo", "trainer.warmup_steps=0"]
+PPO = ["trainer.algorithm=ppo", "trainer.warmup_steps=0"]  # trains on every batch too; adds a value model
 
 
 def train(out_dir, *overrides, resume=False, env=None, check=True) -> subprocess.CompletedProcess:

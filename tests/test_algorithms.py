@@ -68,9 +68,70 @@ def test_rloo_advantages_use_kl_regularised_rewards():
     assert mbs[0]["advantages"].tolist() == pytest.approx([r[0] - r[1], r[1] - r[0], 0.0, 0.0])
 
 
-def test_ppo_is_refused_clearly():
-    with pytest.raises(NotImplementedError, match="value model"):
-        algorithms.make_loss_fn("ppo", beta=0.1)
+def ppo_microbatch():
+    """One group of K=2 (rewards 1 and 0) in a microbatch of 3 rows: row 2 is padding (a copy of row 0).
+
+    Columns: 2 prompt tokens, then completion tokens (row 0: 2, row 1: 1). gen - ref logprob is 0.5
+    on row 0's first completion token, 0 elsewhere; V_old is 9 off the completion mask (ignored).
+    """
+    rows, _ = algorithms.select_samples("ppo", [sample(0, 1.0, n_completion=2, lp=-1.0),
+                                               sample(0, 0.0, n_completion=1, lp=-0.5)], k=2)
+    (mb,) = algorithms.build_microbatches("ppo", rows, pad_id=0, micro_batch_size=3, k=2, beta=0.2)
+    mb["ref_logprobs"] = torch.tensor([[0, 0, -1.5, -1.0], [0, 0, -0.5, 0], [0, 0, -1.5, -1.0]])
+    mb["old_values"] = torch.tensor([[9, 9, 0.5, 0.8], [9, 9, 0.2, 9], [9, 9, 0.5, 0.8]])
+    return mb
+
+
+def test_ppo_rewards_gae_and_whitening_match_hand_computation():
+    mb = ppo_microbatch()
+    assert mb["gen_logprobs"].tolist() == [[0, 0, -1, -1], [0, 0, -0.5, 0], [0, 0, -1, -1]]
+    metrics = algorithms.add_ppo_advantages([mb], kl_coef=0.2, gamma=0.9, lam=0.5)
+    # rewards: row 0 [-0.2 * 0.5, 0 + score 1] = [-0.1, 1.0]; row 1 [0 + score 0]
+    # row 0: A3 = 1.0 - 0.8 = 0.2;  A2 = (-0.1 + 0.9 * 0.8 - 0.5) + 0.9 * 0.5 * 0.2 = 0.12 + 0.09 = 0.21
+    # row 1: A2 = 0 - 0.2 = -0.2.   returns = A + V_old
+    torch.testing.assert_close(mb["returns"][:2], torch.tensor([[0, 0, 0.71, 1.0], [0, 0, 0.0, 0]]))
+    raw = [0.21, 0.2, -0.2]  # the padding row takes no part in the whitening
+    mean = sum(raw) / 3
+    std = math.sqrt(sum((a - mean) ** 2 for a in raw) / 3)
+    white = [(a - mean) / std for a in raw]
+    torch.testing.assert_close(mb["advantages"], torch.tensor([[0, 0, white[0], white[1]], [0, 0, white[2], 0], [0] * 4]))
+    returns = [0.71, 1.0, 0.0]
+    var_r = sum((r - sum(returns) / 3) ** 2 for r in returns) / 3
+    assert metrics["ppo/explained_variance"] == pytest.approx(1 - std ** 2 / var_r, rel=1e-5)  # R - V_old = raw A
+    assert metrics["ppo/kl"] == pytest.approx((0.5 + 0.0) / 2)
+    assert metrics["ppo/return_mean"] == pytest.approx(sum(returns) / 3)
+
+
+def test_ppo_loss_fns_use_old_logprobs_values_and_real_rows_only():
+    from megatron_async.losses import ppo_policy_loss, ppo_value_loss
+
+    mb = ppo_microbatch()
+    algorithms.add_ppo_advantages([mb], kl_coef=0.2, gamma=0.9, lam=0.5)
+    mb["old_logprobs"] = mb["gen_logprobs"] - 0.05 * mb["loss_mask"]
+    new = mb["gen_logprobs"] + 0.3 * mb["loss_mask"]  # ratio e^0.35: clipped where A > 0
+    loss, m = algorithms.make_loss_fn("ppo", beta=0.2, clip_eps=0.2)(new, mb)
+    want, _ = ppo_policy_loss(new[:2], mb["old_logprobs"][:2], mb["advantages"][:2], mb["loss_mask"][:2], 0.2)
+    assert loss.item() == pytest.approx(want.item() * mb["loss_scale"].item())
+    assert 0 < m["policy/clipfrac"].item() < 1
+    values = mb["old_values"] + 0.5
+    vloss, vm = algorithms.make_value_loss_fn(clip_eps=0.2, vf_coef=0.1)(values, mb)
+    vwant, _ = ppo_value_loss(values[:2], mb["old_values"][:2], mb["returns"][:2], mb["loss_mask"][:2], 0.2)
+    assert vloss.item() == pytest.approx(0.1 * vwant.item() * mb["loss_scale"].item())
+    assert set(vm) == {"loss/value", "value/clipfrac", "value/mean"}
+
+
+def test_ppo_needs_the_generating_policys_logprobs():
+    mb = ppo_microbatch()
+    del mb["gen_logprobs"]
+    with pytest.raises(ValueError, match="trainer.algorithm=ppo"):
+        algorithms.add_ppo_advantages([mb], kl_coef=0.2, gamma=0.9, lam=0.5)
+
+
+def test_values_are_aligned_with_logprobs():
+    from megatron_async.learner.logprobs import token_values
+
+    head = torch.tensor([[[1.0], [2.0], [3.0]]])  # the head's output after positions 0, 1, 2
+    assert token_values(head, torch.zeros(1, 3, dtype=torch.long)).tolist() == [[0.0, 1.0, 2.0]]
 
 
 def test_best_of_k_keeps_only_exact_matches():

@@ -147,20 +147,20 @@ def test_sweep_plan_sweeps_n_for_each_algorithm_and_t_k_for_the_first():
     assert plan[-1]["overrides"] == ["rollout.k=8"]
 
 
-def test_write_sweep_writes_csv_json_and_png_with_skipped_rows(tmp_path):
+def test_write_sweep_writes_csv_json_and_png_with_failed_rows(tmp_path):
     import csv
     import json
 
     from megatron_async.bench import write_sweep
 
-    rows = [{"algorithm": "ppo", "knob": "N", "value": "", "status": "refused by the trainer: no value model"},
+    rows = [{"algorithm": "ppo", "knob": "N", "value": 1, "status": "failed: train exited 1"},
             {"algorithm": "online_dpo", "knob": "N", "value": 1, "status": "ok", "final_reward": 0.1, "final_kl": 0.01},
             {"algorithm": "online_dpo", "knob": "N", "value": 2, "status": "ok", "final_reward": 0.2, "final_kl": 0.05},
             {"algorithm": "online_dpo", "knob": "T", "value": 1, "status": "ok", "final_reward": 0.1,
              "final_kl": 0.01, "same_run_as": "N=1"}]
     write_sweep(tmp_path, rows, {"max_lag": 0, "steps": 2, "prompts_per_step": 4})
     got = list(csv.DictReader((tmp_path / "sweep.csv").open()))
-    assert [r["status"][:7] for r in got] == ["refused", "ok", "ok", "ok"]
+    assert [r["status"][:6] for r in got] == ["failed", "ok", "ok", "ok"]
     assert got[3]["same_run_as"] == "N=1"
     assert json.loads((tmp_path / "sweep.json").read_text())["rows"][2]["final_kl"] == 0.05
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"

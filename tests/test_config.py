@@ -63,10 +63,17 @@ def test_literal_choices():
     (["rollout.k=1"], "rollout.k"),
     (["trainer.algorithm=rloo", "rollout.k=1"], "rollout.k"),
     (["rollout.host=0.0.0.0"], "rollout.token"),
+    (["rollout.weight_transport=shm", "rollout.host=10.0.0.5", "rollout.token=t"], "rollout.weight_transport"),
+    (["rollout.weight_transport=udp"], "rollout.weight_transport"),
     (["trainer.minibatches=3"], "trainer.minibatches"),
     (["model.hf_path=/no/such/model"], "model.hf_path"),
     (["data.train=/no/such/file.jsonl"], "data.train"),
     (["reward.kind=reward_model"], "reward.model_path"),
+    (["reward.kind=reward_model", "reward.model_path=.", "trainer.algorithm=best_of_k_sft"], "trainer.algorithm"),
+    (["data.answer_key=null"], "data.answer_key"),  # exact match needs the reference
+    (["reward.kind=reward_model", "reward.model_path=.", "data.answer_key=null", "sft.steps=5"], "data.answer_key"),
+    (["trainer.algorithm=ppo", "trainer.value_lr=0"], "trainer.value_lr"),
+    (["trainer.algorithm=ppo", "trainer.lam=1.5"], "trainer.lam"),
 ])
 def test_impossible_settings_fail_naming_the_key(overrides, key):
     with pytest.raises(ConfigError) as e:
@@ -76,6 +83,8 @@ def test_impossible_settings_fail_naming_the_key(overrides, key):
 
 def test_ppo_allows_k1_and_world_size_checked_at_launch():
     cfg = load_config(None, ["trainer.algorithm=ppo", "rollout.k=1", "parallel.tp=2"])
+    assert cfg.trainer.value_lr is None  # = trainer.lr
+    assert load_config(None, ["trainer.algorithm=ppo", "trainer.value_lr=1e-5"]).trainer.value_lr == 1e-5
     validate(cfg, world_size=4)
     with pytest.raises(ConfigError, match="parallel.world_size"):
         validate(cfg, world_size=3)

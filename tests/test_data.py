@@ -104,6 +104,15 @@ def test_datasets_path_with_a_local_directory(tmp_path, monkeypatch):
     assert [(p.id, p.answer) for p in problems] == [("local-train:0", "7"), ("local-train:1", "8")]
 
 
+def test_prompt_only_records_for_a_reward_model(tmp_path):
+    rows = [{"prompt": "Write a haiku.", "prompt_id": "a", "messages": [], "category": "Generation"}]
+    p = write_jsonl(tmp_path / "nr.jsonl", rows)
+    assert load_problems(str(p), question_key="prompt", answer_key=None) == [
+        Problem(id="nr:1", question="Write a haiku.", solution=None, answer=None)]
+    with pytest.raises(DataError, match=r"nr\.jsonl line 1: missing field 'answer' .*data\.answer_key"):
+        load_problems(str(p), question_key="prompt")  # exact match: the reference is required
+
+
 def test_load_problems_dispatch(tmp_path):
     p = write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "#### 7"}])
     assert load_problems(str(p))[0].answer == "7"

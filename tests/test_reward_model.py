@@ -1,4 +1,8 @@
-"""The reward-model worker process against in-process scores of the same tiny checkpoint."""
+"""The reward-model worker process against in-process scores of the same tiny checkpoint, and a
+short end-to-end `megatron-async train` run (real vLLM replica and megatron learner) that rewards
+with it: prompt-only No Robots-style records, Online DPO, max_lag=1."""
+import json
+
 import pytest
 import torch
 
@@ -26,11 +30,7 @@ def test_worker_scores_match_in_process_scores_and_survives_a_timeout(rm_dir):
     path, tok, model = rm_dir
     prompts = ["Question: Ann has 3 apples.\nAnswer:", "Q: 2+2?\nA:", "Question: Ben has 12 pens.\nAnswer:"]
     completions = [" 3 #### 3", " 4 because 2 + 2 = 4. #### 4", " ten"]
-    expected = []
-    for p, c in zip(prompts, completions):  # one at a time: no padding, the ground truth
-        ids = tok(p + c, return_tensors="pt")["input_ids"]
-        with torch.no_grad():
-            expected.append(model(input_ids=ids).logits[0, 0].item())
+    expected = rm_scores(tok, model, [p + c for p, c in zip(prompts, completions)])
     assert len(set(expected)) == 3  # a constant model would make this test vacuous
 
     # batch_size=2 makes the worker pad (right) and split into two micro-batches
@@ -57,3 +57,50 @@ def test_worker_start_failure_is_reported(tmp_path):
     with pytest.raises(RuntimeError, match="failed to start"):
         rm.start()
     assert rm._proc is None
+
+
+def rm_scores(tok, model, texts: list[str]) -> list[float]:
+    """In-process scores, one text at a time (no padding): the ground truth for the worker."""
+    out = []
+    for text in texts:
+        with torch.no_grad():
+            out.append(model(input_ids=tok(text, return_tensors="pt")["input_ids"]).logits[0, 0].item())
+    return out
+
+
+@pytest.mark.slow
+def test_train_with_a_reward_model_on_prompt_only_data(rm_dir, tmp_path):
+    from tests.e2e_utils import metrics, train
+
+    path, tok, model = rm_dir
+    topics = ["apples", "a red kite", "the sea", "Ben's pens", "a long walk", "rain", "Ann's cat", "tea"]
+    records = [{"prompt": f"Write one line about {t}.", "prompt_id": f"p{i}", "category": "Generation",
+                "messages": [{"role": "user", "content": f"Write one line about {t}."}]}  # No Robots fields
+               for i, t in enumerate(topics)]
+    data = tmp_path / "norobots.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    steps = 3
+    proc = train(tmp_path, "sft.steps=0", f"trainer.steps={steps}", "trainer.warmup_steps=0", "rollout.k=2",
+                 "rollout.prompts_per_step=4", "rollout.max_new_tokens=16", "data.eval_size=4",
+                 f"data.train={data}", f"data.eval={data}", "data.question_key=prompt", "data.answer_key=null",
+                 'data.prompt_template="{question}"', "reward.kind=reward_model", f"reward.model_path={path}",
+                 "reward.on_error=stop")
+    run_dir = tmp_path / "cpu_tiny"
+    m = metrics(run_dir)
+    rewards = [m["reward/mean"][s] for s in range(steps)]
+    assert all(r not in (0.0, 1.0) for r in rewards), rewards  # RM scores, not exact-match 0/1
+    assert all(m["reward/std"][s] > 0 for s in range(steps))
+    assert all(m["reward/errors"][s] == m["reward/timeouts"][s] == 0 for s in range(steps))
+    assert all(m["dpo/pairs"][s] == 4 for s in range(steps))  # real-valued scores never tie
+    assert [m["rollout/policy_version"][s] for s in range(steps)] == [0, 0, 1]  # one step off-policy
+    assert "eval/pass_at_1" not in m  # no reference answers: the RM score is the eval metric
+    for tag in ("before", "after"):
+        result = json.loads((run_dir / f"eval_{tag}.json").read_text())
+        assert result["metric"] == "rm_score" and result["scored"] == result["n"] == 4
+        got = [r["reward"] for r in result["results"]]
+        # the worker's scores of the greedy completions equal the RM's own on prompt + completion
+        prompts = {f"norobots:{i + 1}": r["prompt"] for i, r in enumerate(records)}
+        want = rm_scores(tok, model, [prompts[r["id"]] + r["completion"] for r in result["results"]])
+        assert got == pytest.approx(want, abs=1e-4)
+        assert list(m[f"eval/rm_score_{tag}"].values()) == [pytest.approx(sum(got) / len(got))]
+    assert "rm_score on 4 held-out problems: before" in proc.stdout + proc.stderr

@@ -169,3 +169,16 @@ def test_reference_errors_surface_as_errors():
 
 def test_only_ascii_digits_are_numbers():
     assert extract_answer("#### \u0667\u0662") is None  # Arabic-Indic "72" is not read as 72
+
+
+def test_make_scorer_exact_match_scores_against_the_references():
+    from megatron_async.config import RewardConfig
+    from megatron_async.rewards import ExactMatchScorer, make_scorer
+
+    scorer = make_scorer(RewardConfig())
+    assert isinstance(scorer, ExactMatchScorer)
+    report = scorer.score(["q1", "q2"], ["so #### 4", "#### 5"], ["#### 4", "4"])
+    assert [s.reward for s in report.scores] == [1.0, 0.0]
+    with pytest.raises(ValueError):  # a missing reference is a bug, not a silently short batch
+        scorer.score(["q1", "q2"], ["#### 4", "#### 5"], ["#### 4"])
+    scorer.close()

@@ -2,24 +2,25 @@
 
 One short asynchronous run (tiny model built in code, short SFT warm-up, max_lag=1) is the
 reference; it is checked for version tags, the lag bound, metrics in MLflow, evaluation files and
-the final HF export. It uses RLOO, which trains on every batch (a barely-trained tiny model gets
-few exact matches, and Online DPO skips prompts whose K rewards all tie). A second run is killed
-(SIGKILL) right after its step-2 checkpoint and resumed with --resume: it must end with the same
-metrics as the uninterrupted one. A third run uses Online DPO with TP=2 learner ranks under
-torchrun and max_lag=0 (the synchronous baseline). The CPU main job (README) shows Online DPO
+the final HF export. It uses PPO, which trains on every batch (a barely-trained tiny model gets
+few exact matches, and Online DPO skips prompts whose K rewards all tie) and has the most learner
+state (a value model with its own optimizer). A second run is killed (SIGKILL) right after its
+step-2 checkpoint and resumed with --resume: it must end with the same metrics as the
+uninterrupted one. A third run uses Online DPO with TP=2 learner ranks under torchrun and
+max_lag=0 (the synchronous baseline), a fourth RLOO with DP=2. The CPU main job (README) shows Online DPO
 raising held-out pass@1.
 """
 import json
 
 import pytest
 
-from tests.e2e_utils import RLOO, STEPS, metrics, train
+from tests.e2e_utils import PPO, RLOO, STEPS, metrics, train
 
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e")
-    proc = train(out, *RLOO)
+    proc = train(out, *PPO)
     return out / "cpu_tiny", proc.stdout + proc.stderr
 
 
@@ -32,7 +33,8 @@ def test_async_run_versions_lag_and_metrics(reference_run):
     assert [m["rollout/policy_version"][s] for s in steps] == [max(0, s - 1) for s in steps]
     assert [m["rollout/lag_max"][s] for s in steps] == [0.0] + [1.0] * (STEPS - 1)
     for key in ("reward/mean", "reward/std", "kl/ref", "train/loss", "timing/sync_s", "timing/train_s",
-                "timing/generation_s", "rollout/tokens_per_s", "logprob_diff/learner_vs_generator"):
+                "timing/generation_s", "rollout/tokens_per_s", "logprob_diff/learner_vs_generator",
+                "loss/value", "ppo/explained_variance", "train_value/grad_norm"):
         assert sorted(m[key]) == steps, key
     # step 0 trains on version-0 samples with version-0 weights: learner and vLLM agree
     assert m["logprob_diff/learner_vs_generator"][0] < 1e-3
@@ -49,13 +51,14 @@ def test_async_run_versions_lag_and_metrics(reference_run):
 @pytest.mark.slow
 def test_killed_and_resumed_run_ends_like_the_uninterrupted_one(reference_run, tmp_path):
     ref_dir, _ = reference_run
-    crashed = train(tmp_path, *RLOO, env={"MEGATRON_ASYNC_CRASH_AFTER_CHECKPOINT": "2"}, check=False)
+    crashed = train(tmp_path, *PPO, env={"MEGATRON_ASYNC_CRASH_AFTER_CHECKPOINT": "2"}, check=False)
     assert crashed.returncode != 0
     run_dir = tmp_path / "cpu_tiny"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
-    train(tmp_path, *RLOO, resume=True)
+    train(tmp_path, *PPO, resume=True)
     ref, res = metrics(ref_dir), metrics(run_dir)
-    for key in ("reward/mean", "train/loss", "kl/ref", "train/grad_norm", "rollout/policy_version"):
+    for key in ("reward/mean", "train/loss", "kl/ref", "train/grad_norm", "rollout/policy_version", "loss/value",
+                "train_value/grad_norm"):
         for step in range(STEPS):
             assert res[key][step] == pytest.approx(ref[key][step], rel=1e-5, abs=1e-6), (key, step)
     assert res["eval/pass_at_1_after"] == ref["eval/pass_at_1_after"]

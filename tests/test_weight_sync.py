@@ -1,7 +1,9 @@
-"""Weight sync: bucketing (pure), then real vLLM replicas updated in place from HF tensors.
+"""Weight sync: bucketing and transports (pure), then real vLLM replicas updated in place from HF tensors.
 
 After every sync, vLLM's sampled-token logprobs must equal transformers' logprobs of the same
-tokens under the pushed weights (fp32, max |diff| < 1e-3), on every replica.
+tokens under the pushed weights (fp32, max |diff| < 1e-3), on every replica. The replicas are on
+this host, so the default transport (auto) is shared memory; tests that name `socket` cover the
+socket path on the same replicas.
 """
 from __future__ import annotations
 
@@ -12,12 +14,17 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load as st_load
 
 from megatron_async.rollout import ReplicaPool, Sampling
 from megatron_async.rollout.worker_extension import fused_group
 from megatron_async.weights import sync as sync_mod
-from megatron_async.weights.buckets import BucketChecksumError, group_by_cap, iter_buckets, pack_bucket, unpack_bucket
-from megatron_async.weights.sync import WeightSender, WeightSyncError
+from megatron_async.weights import nccl
+from megatron_async.weights.buckets import (
+    BucketChecksumError, device_checksum, group_by_cap, iter_buckets, pack_bucket, unpack_bucket,
+)
+from megatron_async.weights.shm import SHM_DIR, ShmSegment, open_segment
+from megatron_async.weights.sync import WeightSender, WeightSyncError, transport_for
 from tests.rollout_fixtures import LOGPROB_TOL, build_models, max_logprob_diff, spec, state_dict
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 40, 41, 42, 43], [1, 100], [1, 7, 7, 7, 7, 7], [1, 200, 3], [1, 12], [1, 60, 61]]
@@ -51,15 +58,61 @@ def test_iter_buckets_consumes_lazily():
 
 
 def test_bucket_roundtrip_and_checksum():
-    tensors = [("a.weight", torch.randn(3, 4)), ("b.weight", torch.randn(5).to(torch.bfloat16))]
+    tensors = [("a.weight", torch.randn(3, 4)), ("b.weight", torch.randn(5).to(torch.bfloat16)),
+               ("c", torch.arange(3, dtype=torch.int8)), ("d", torch.randn(4, 2).t()), ("e", torch.zeros(0, 3))]
     bucket = pack_bucket(0, tensors)
-    out = unpack_bucket(bucket.payload, bucket.checksum)
-    assert bucket.names == ("a.weight", "b.weight") and set(out) == {"a.weight", "b.weight"}
-    assert all(torch.equal(out[n], t) for n, t in tensors) and out["b.weight"].dtype == torch.bfloat16
+    out = unpack_bucket(bytes(bucket.payload), bucket.checksum)
+    assert bucket.names == ("a.weight", "b.weight", "c", "d", "e") and set(out) == set(bucket.names)
+    assert all(torch.equal(out[n], t) and out[n].dtype == t.dtype for n, t in tensors)
+    assert all(torch.equal(v, out[n]) for n, v in st_load(bytes(bucket.payload)).items())  # a real safetensors file
     corrupt = bytearray(bucket.payload)
     corrupt[-1] ^= 0xFF
     with pytest.raises(BucketChecksumError, match="checksum mismatch"):
         unpack_bucket(bytes(corrupt), bucket.checksum)
+
+
+def test_shm_segment_is_private_reused_grown_and_removed():
+    seg = ShmSegment(initial_bytes=64)
+    bucket = pack_bucket(0, [("w", torch.arange(8.0))], seg.buffer)
+    path = seg.path
+    assert os.stat(path).st_mode & 0o777 == 0o600  # owner only
+    assert torch.equal(unpack_bucket(memoryview(open_segment(path))[: len(bucket.payload)], bucket.checksum)["w"], torch.arange(8.0))
+    pack_bucket(1, [("w", torch.ones(4))], seg.buffer)
+    assert seg.path == path  # reused
+    pack_bucket(2, [("w", torch.ones(2 << 20))], seg.buffer)  # 8 MB > 64 B + header slack
+    assert seg.path != path and not os.path.exists(path)  # grown into a new file, the old one removed
+    seg.close()
+    assert not [f for f in os.listdir(SHM_DIR) if f.startswith(f"mas-wsync-{os.getpid()}-")]
+    with pytest.raises(FileNotFoundError, match="not found"):
+        open_segment(path)
+    with pytest.raises(ValueError, match="refusing"):
+        open_segment("/etc/passwd")
+
+
+def test_transport_choice(monkeypatch):
+    assert transport_for("auto", "127.0.0.1") == "shm" and transport_for("auto", "10.0.0.7") == "socket"
+    monkeypatch.setattr(sync_mod, "shm_free_bytes", lambda: 64 << 20)  # a container's default /dev/shm
+    with WeightSender([("127.0.0.1", 1)], b"k", bucket_bytes=64 << 20) as sender:
+        assert sender.transports == ["socket"]  # auto falls back; it connects only when pushing
+    with WeightSender([("127.0.0.1", 1)], b"k", bucket_bytes=16 << 20) as sender:
+        assert sender.transports == ["shm"]
+    assert transport_for("socket", "127.0.0.1") == "socket"
+    with pytest.raises(ValueError, match="weight_transport=shm needs replicas on this host"):
+        transport_for("shm", "10.0.0.7")
+    with pytest.raises(ValueError, match="rollout.weight_transport='udp'"):
+        transport_for("udp", "127.0.0.1")
+
+
+def test_nccl_layout_roundtrip_and_device_checksum():
+    """The NCCL transport's packing and checksum are plain torch: checked here on CPU."""
+    tensors = [("q", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("i", torch.arange(3))]
+    buf, layout = nccl.pack(tensors, torch.device("cpu"))
+    assert all(lo % nccl.ALIGN == 0 for *_, lo in layout) and buf.numel() % 8 == 0
+    out = nccl.views(buf, layout)
+    assert all(torch.equal(out[n], t) and out[n].dtype == t.dtype for n, t in tensors)
+    words = buf.clone()
+    words[9] ^= 1
+    assert device_checksum(words) != device_checksum(buf) == device_checksum(buf, chunk_words=3)
 
 
 def test_fused_group_names():
@@ -83,7 +136,9 @@ def pool(models, tmp_path_factory):
 
 def push(pool, version, model_dir, **kw):
     with WeightSender(pool.addresses, pool.authkey, timeout_s=kw.pop("timeout_s", 30), bucket_bytes=SMALL_BUCKET, **kw) as s:
-        return s.push(version, 0, 1, iter(state_dict(model_dir).items()))
+        metrics = s.push(version, 0, 1, iter(state_dict(model_dir).items()))
+    assert not [f for f in os.listdir(SHM_DIR) if f.startswith(f"mas-wsync-{os.getpid()}-")]  # segment removed
+    return metrics
 
 
 def sample_and_check(pool, model_dir, version):
@@ -100,6 +155,7 @@ def test_update_changes_outputs_and_logprobs_match_transformers(pool, models):
     before = pool.generate(PROMPTS, greedy)
     assert max_logprob_diff(models[0], before) < LOGPROB_TOL
     metrics = push(pool, 1, models[1])
+    assert metrics["transports"] == ["shm"]
     assert metrics["buckets"] > 10 and metrics["completed"] == 2 and metrics["replicas"] == 2 and not metrics["failed"]
     assert metrics["bytes"] > sum(t.nbytes for t in state_dict(models[1]).values()) and metrics["gb_per_s"] > 0
     after = pool.generate(PROMPTS, greedy)
@@ -109,9 +165,9 @@ def test_update_changes_outputs_and_logprobs_match_transformers(pool, models):
     assert {r.replica_id for r in records} == {0, 1}  # both replicas received the update and served
 
 
-def test_versions_across_several_syncs(pool, models):
-    for version, model_dir in [(2, models[2]), (3, models[0]), (4, models[1])]:
-        push(pool, version, model_dir)
+def test_versions_across_several_syncs_and_transports(pool, models):
+    for version, model_dir, transport in [(2, models[2], "socket"), (3, models[0], "shm"), (4, models[1], "socket")]:
+        assert push(pool, version, model_dir, transport=transport)["transports"] == [transport]
         sample_and_check(pool, model_dir, version)
 
 
@@ -139,23 +195,43 @@ def test_pipeline_stages_hold_generation_until_every_stage_arrived(pool, models)
         sender1.close()
 
 
-def test_bad_checksum_fails_loudly_and_replica_refuses_until_repaired(pool, models, monkeypatch):
-    def corrupted(named, cap):
-        for b in iter_buckets(named, cap):
+@pytest.mark.parametrize("transport, version", [("socket", 6), ("shm", 7)])
+def test_bad_checksum_fails_loudly_and_replica_refuses_until_repaired(pool, models, monkeypatch, transport, version):
+    def corrupted(named, cap, alloc):
+        for b in iter_buckets(named, cap, alloc):
             if b.index == 3:
-                b = type(b)(b.index, b.payload[:-1] + bytes([b.payload[-1] ^ 1]), b.checksum, b.names, b.tensor_bytes)
+                b.payload[-1] ^= 1  # in place: the bytes the replica reads (socket message or segment)
             yield b
 
     monkeypatch.setattr(sync_mod, "iter_buckets", corrupted)
-    with pytest.raises(WeightSyncError, match=r"version 6.*replica at 127\.0\.0\.1:\d+.*checksum mismatch"):
-        push(pool, 6, models[0])
+    with pytest.raises(WeightSyncError, match=rf"version {version}.*replica at 127\.0\.0\.1:\d+.*checksum mismatch"):
+        push(pool, version, models[0], transport=transport)
     monkeypatch.undo()
-    assert [(s["version"], s["weights_ok"]) for s in pool.health_check()] == [(5, False), (5, False)]
+    assert [(s["version"], s["weights_ok"]) for s in pool.health_check()] == [(version - 1, False)] * 2
     assert {r.replica_id for r in pool.replicas_needing_weights()} == {0, 1}
     with pytest.raises(TimeoutError, match="needing weights: \\[0, 1\\]"):
         pool.generate(PROMPTS[:2], Sampling(max_tokens=4), timeout_s=3)
-    push(pool, 6, models[0])
-    sample_and_check(pool, models[0], 6)
+    push(pool, version, models[0])
+    sample_and_check(pool, models[0], version)
+
+
+def test_missing_segment_fails_loudly(pool, models, monkeypatch):
+    def unlinked(named, cap, alloc):
+        for b in iter_buckets(named, cap, alloc):
+            for name in os.listdir(SHM_DIR):  # the segment vanishes before any replica maps it
+                if name.startswith(f"mas-wsync-{os.getpid()}-"):
+                    os.unlink(os.path.join(SHM_DIR, name))
+            yield b
+
+    monkeypatch.setattr(sync_mod, "iter_buckets", unlinked)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match=r"version 8.*/dev/shm/mas-wsync-\S+ not found"):
+        push(pool, 8, models[1])
+    assert time.monotonic() - t0 < 10
+    monkeypatch.undo()
+    assert [s["weights_ok"] for s in pool.health_check()] == [False, False]
+    push(pool, 8, models[1])
+    sample_and_check(pool, models[1], 8)
 
 
 def test_stalled_replica_fails_the_sync_within_its_timeout(pool, models):
@@ -163,10 +239,10 @@ def test_stalled_replica_fails_the_sync_within_its_timeout(pool, models):
     os.kill(pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
-        with pytest.raises(WeightSyncError, match=rf"version 7.*replica at 127\.0\.0\.1:{pool.addresses[1][1]}"):
-            push(pool, 7, models[1], timeout_s=3)
+        with pytest.raises(WeightSyncError, match=rf"version 9.*replica at 127\.0\.0\.1:{pool.addresses[1][1]}"):
+            push(pool, 9, models[1], timeout_s=3)
         assert time.monotonic() - t0 < 15
     finally:
         os.kill(pid, signal.SIGCONT)
-    push(pool, 7, models[1])
-    sample_and_check(pool, models[1], 7)
+    push(pool, 9, models[0])
+    sample_and_check(pool, models[0], 9)

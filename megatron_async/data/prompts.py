@@ -3,7 +3,8 @@
 Sources (`load_problems`): "synthetic" (see synthetic.py), a .jsonl file (one JSON object per
 line), a .json file (a JSON array of objects), a .parquet file, or a HuggingFace `datasets` name,
 optionally with a config after a colon ("openai/gsm8k:main"; needs the hub or a local cache).
-Every record needs a question and an answer field (GSM8k: "question", "answer"); the answer is the
+Every record needs a question field and, unless `answer_key` is None, an answer field (GSM8k:
+"question", "answer"; No Robots: "prompt" and no answer, for a reward-model run). The answer is the
 full worked solution ending in "#### <number>" or just the number. The final number is extracted
 once, at load time, so a reference the reward cannot read fails here, naming the file and line,
 instead of mid-training.
@@ -29,8 +30,8 @@ class DataError(ValueError):
 class Problem:
     id: str  # stable across runs: "<file stem>:<line>", the record's own id, or a synthetic id
     question: str
-    solution: str  # the reference answer as given (worked solution or bare number)
-    answer: str  # its final number, normalised ("1234"): what gsm8k_reward compares against
+    solution: str | None  # the reference answer as given (worked solution or bare number); None = no answer_key
+    answer: str | None  # its final number, normalised ("1234"): what gsm8k_reward compares against
 
 
 @dataclass(frozen=True)
@@ -40,16 +41,22 @@ class TokenizedPrompt:
     ids: list[int]
 
 
-def _to_problem(row: Any, where: str, default_id: str, question_key: str, answer_key: str, id_key: str | None) -> Problem:
+def _to_problem(row: Any, where: str, default_id: str, question_key: str, answer_key: str | None,
+                id_key: str | None) -> Problem:
     """One raw record -> Problem; `where` ("train.jsonl line 7") goes into every error."""
+    keys = (question_key,) if answer_key is None else (question_key, answer_key)
     if not isinstance(row, dict):
-        raise DataError(f"{where}: expected an object with {question_key!r} and {answer_key!r}, got {type(row).__name__}")
-    for key in (question_key, answer_key):
+        raise DataError(f"{where}: expected an object with {' and '.join(map(repr, keys))}, got {type(row).__name__}")
+    for key in keys:
         if key not in row:
-            raise DataError(f"{where}: missing field {key!r} (has: {sorted(row)})")
-    question, solution = row[question_key], row[answer_key]
+            raise DataError(f"{where}: missing field {key!r} (has: {sorted(row)}; see data.question_key, data.answer_key)")
+    question = row[question_key]
     if not isinstance(question, str) or not question.strip():
         raise DataError(f"{where}: field {question_key!r} must be a non-empty string, got {question!r:.80}")
+    pid = str(row[id_key]) if id_key is not None and id_key in row else default_id
+    if answer_key is None:
+        return Problem(id=pid, question=question, solution=None, answer=None)
+    solution = row[answer_key]
     if isinstance(solution, (int, float)) and not isinstance(solution, bool):
         solution = str(solution)
     if not isinstance(solution, str):
@@ -57,7 +64,6 @@ def _to_problem(row: Any, where: str, default_id: str, question_key: str, answer
     answer = extract_answer(solution)
     if answer is None:
         raise DataError(f"{where}: field {answer_key!r} has no final number: {solution[-80:]!r}")
-    pid = str(row[id_key]) if id_key is not None and id_key in row else default_id
     return Problem(id=pid, question=question, solution=solution, answer=answer)
 
 
@@ -92,7 +98,8 @@ def _records(path: Path) -> Iterable[tuple[str, str, Any]]:
         raise DataError(f"{path}: unknown file type {path.suffix!r} (expected .jsonl, .json or .parquet)")
 
 
-def load_file(path: str | Path, question_key: str = "question", answer_key: str = "answer", id_key: str | None = None) -> list[Problem]:
+def load_file(path: str | Path, question_key: str = "question", answer_key: str | None = "answer",
+              id_key: str | None = None) -> list[Problem]:
     """Problems from a .jsonl / .json / .parquet file; errors name the file and line (or row)."""
     path = Path(path)
     if not path.is_file():
@@ -103,7 +110,8 @@ def load_file(path: str | Path, question_key: str = "question", answer_key: str 
     return problems
 
 
-def load_hf_dataset(name: str, split: str, question_key: str = "question", answer_key: str = "answer", id_key: str | None = None) -> list[Problem]:
+def load_hf_dataset(name: str, split: str, question_key: str = "question", answer_key: str | None = "answer",
+                    id_key: str | None = None) -> list[Problem]:
     """Problems from a `datasets` name ("openai/gsm8k" or "openai/gsm8k:main") and split."""
     import datasets
 
@@ -122,18 +130,20 @@ def load_hf_dataset(name: str, split: str, question_key: str = "question", answe
     return problems
 
 
-def load_problems(source: str, split: str = "train", synthetic_size: int = 1000, seed: int = 0) -> list[Problem]:
+def load_problems(source: str, split: str = "train", synthetic_size: int = 1000, seed: int = 0,
+                  question_key: str = "question", answer_key: str | None = "answer") -> list[Problem]:
     """Dispatch on the source string of `DataConfig.train` / `DataConfig.eval` (module docstring).
 
-    `split` selects the synthetic split and the `datasets` split; files are taken whole.
+    `split` selects the synthetic split and the `datasets` split; files are taken whole. The keys
+    name the record fields of files and `datasets` (answer_key None: prompts only).
     """
     if source == "synthetic":
         from megatron_async.data.synthetic import synthetic_problems
 
         return synthetic_problems(synthetic_size, seed=seed, split=split)
     if source.endswith((".jsonl", ".json", ".parquet")) or Path(source).is_file():
-        return load_file(source)
-    return load_hf_dataset(source, split)
+        return load_file(source, question_key, answer_key)
+    return load_hf_dataset(source, split, question_key, answer_key)
 
 
 def format_prompt(problem: Problem, template: str = DEFAULT_TEMPLATE) -> str:

@@ -5,6 +5,8 @@ A checkpoint directory holds:
                      resharding-friendly: saved at one TP x PP, loadable at any other
     hf_config.json   the HF config the model was built from (for conversion back to HF)
     manifest.json    architecture, layout at save time, `extra` user metadata, sha256 of every file
+    <part>/          optional complete checkpoints of other models (e.g. PPO's `value/`), moved in
+                     before the manifest, so they are checksummed and made visible with this one
 
 Saving is atomic: every rank writes into `<dir>.tmp` (removed first if a crashed save left it),
 rank 0 checksums the files, writes the manifest, and renames the tmp dir into place (an existing
@@ -76,10 +78,14 @@ def _rank0_then_share(fn):
 
 
 def save_checkpoint(ckpt_dir: str | os.PathLike, model_chunks: list, optimizer=None, scheduler=None,
-                    extra: dict | None = None, files: dict[str, Path] | None = None) -> Path:
+                    extra: dict | None = None, files: dict[str, Path] | None = None,
+                    parts: dict[str, Path] | None = None) -> Path:
     """Save model (+ optimizer, scheduler) to `ckpt_dir` atomically. `extra`: JSON-able metadata
     (step, policy version, data position...) returned by `load_checkpoint`. `files`: more files to
-    copy in (relative name -> source path), e.g. tokenizer files; they are checksummed too."""
+    copy in (relative name -> source path), e.g. tokenizer files; they are checksummed too.
+    `parts`: finished checkpoint directories (name -> path, on the same filesystem) MOVED in by
+    rename, e.g. another model saved just before with `save_checkpoint`; load one with
+    `load_checkpoint(ckpt_dir / name, ...)`."""
     from megatron.core import dist_checkpointing
 
     ckpt_dir = Path(ckpt_dir)
@@ -99,6 +105,8 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, model_chunks: list, optimizer=N
         for name, src in (files or {}).items():
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, tmp / name)
+        for name, src in (parts or {}).items():
+            os.replace(src, tmp / name)
         if getattr(model, "hf_config", None) is not None:
             (tmp / "hf_config.json").write_text(json.dumps(model.hf_config, indent=2))
         manifest = {

@@ -1,10 +1,13 @@
-"""Per-token log-probabilities and losses through megatron's pipeline schedules.
+"""Per-token log-probabilities (or values) and losses through megatron's pipeline schedules.
 
-One path serves both: `forward_backward(model, microbatches, loss_fn)` runs megatron's
+One path serves all: `forward_backward(model, microbatches, loss_fn)` runs megatron's
 `get_forward_backward_func()` (no pipelining, or 1F1B when PP > 1) and, on the last stage, turns
-the vocab-parallel logits into per-token logprobs of the next tokens with megatron's
-`vocab_parallel_cross_entropy` (full-vocabulary logits are never gathered), then calls `loss_fn`.
-`compute_logprobs` is `forward_backward` with a loss_fn that records the logprobs.
+the model's output into one number per token, then calls `loss_fn` on it. For the policy that is
+the logprob of each token, from the vocab-parallel logits with megatron's
+`vocab_parallel_cross_entropy` (full-vocabulary logits are never gathered); for a PPO value model
+(`learner.value`) it is the value of the state each token was generated from. The model decides
+which (`is_value_model`), so `learner.optimizer.train_step` serves both. `compute_logprobs` and
+`compute_values` are `forward_backward` with a loss_fn that records the per-token output.
 
 Microbatch contract: a dict with
   "input_ids": LongTensor [b, s], right-padded (causal attention keeps padding out of real
@@ -14,7 +17,8 @@ Microbatch contract: a dict with
   any other keys, passed through to `loss_fn` (advantages, reference logprobs, ...).
 All microbatches of one call share the same [b, s] (pipeline p2p buffers have a fixed shape).
 Logprobs are aligned with input_ids: `logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`,
-`logprobs[:, 0] = 0`, and positions where loss_mask is 0 are 0.
+`logprobs[:, 0] = 0`, and positions where loss_mask is 0 are 0. Values likewise:
+`values[:, t] = V(input_ids[:, :t])`, the state token t was sampled in (TRL's alignment).
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from megatron_async.learner.value import is_value_model
 
 LossFn = Callable[[torch.Tensor, dict], "tuple[torch.Tensor, dict]"]
 
@@ -42,6 +48,12 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     return torch.nn.functional.pad(logprobs, (1, 0))
 
 
+def token_values(output: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s, 1] value-head output -> [b, s] values aligned like logprobs: position t gets the
+    value of the prefix before token t (the head's output at t - 1); position 0 gets 0."""
+    return torch.nn.functional.pad(output[:, :-1, 0].float(), (1, 0))
+
+
 def _causal_mask(s: int, device) -> torch.Tensor:
     # megatron convention: True = masked out. Passed explicitly (the default mask is built on CUDA).
     return torch.ones(s, s, dtype=torch.bool, device=device).triu(1).view(1, 1, s, s)
@@ -55,14 +67,15 @@ def _forward_step(data_iterator, model, *, loss_fn: LossFn, temperature: float):
     b, s = tokens.shape
     position_ids = torch.arange(s, device=device).expand(b, s)
     output = model(tokens, position_ids, _causal_mask(s, device))
-    return output, partial(_loss_on_last_stage, mb, loss_fn=loss_fn, temperature=temperature)
+    per_token = token_values if is_value_model(model) else partial(token_logprobs, temperature=temperature)
+    return output, partial(_loss_on_last_stage, mb, loss_fn=loss_fn, per_token=per_token)
 
 
-def _loss_on_last_stage(mb: dict, logits: torch.Tensor, *, loss_fn: LossFn, temperature: float):
-    logprobs = token_logprobs(logits, mb["input_ids"], temperature)
+def _loss_on_last_stage(mb: dict, output: torch.Tensor, *, loss_fn: LossFn, per_token: Callable):
+    out = per_token(output, mb["input_ids"])  # [b, s] logprobs or values
     if "loss_mask" in mb:
-        logprobs = logprobs * mb["loss_mask"].to(logprobs.dtype)
-    loss, metrics = loss_fn(logprobs, mb)
+        out = out * mb["loss_mask"].to(out.dtype)
+    loss, metrics = loss_fn(out, mb)
     # The schedule divides the returned loss in place by the number of microbatches: log a clone.
     metrics = {"loss": loss.detach().clone(), **{k: torch.as_tensor(v).detach().float() for k, v in metrics.items()}}
     return loss, metrics
@@ -103,11 +116,12 @@ def forward_backward(model, microbatches: list[dict], loss_fn: LossFn, forward_o
     """Run forward (and backward unless `forward_only`) over `microbatches` with megatron's schedule.
 
     `loss_fn(logprobs [b, s], microbatch) -> (scalar loss, metrics dict)` runs on the last pipeline
-    stage for each microbatch. Gradients accumulate as the mean of the per-microbatch losses (and,
-    under megatron DDP, over DP ranks). Returns the metrics averaged over microbatches and DP
-    ranks, with the loss under "loss", on EVERY rank. For training, `model` must be wrapped by
-    `learner.optimizer.build_optimizer` (which sets the grad-sync hooks); call `optimizer.step()`
-    afterwards and zero the grads before the next call.
+    stage for each microbatch (a value model passes values [b, s] instead of logprobs). Gradients
+    accumulate as the mean of the per-microbatch losses (and, under megatron DDP, over DP ranks).
+    Returns the metrics averaged over microbatches and DP ranks, with the loss under "loss", on
+    EVERY rank. For training, `model` must be wrapped by `learner.optimizer.build_optimizer` (which
+    sets the grad-sync hooks); call `optimizer.step()` afterwards and zero the grads before the
+    next call.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -130,17 +144,28 @@ def forward_backward(model, microbatches: list[dict], loss_fn: LossFn, forward_o
 def compute_logprobs(model, microbatches: list[dict], temperature: float = 1.0) -> list[torch.Tensor]:
     """Per-token logprobs ([b, s] float32 per microbatch, aligned with input_ids, masked by
     loss_mask) without gradients, on every rank (broadcast from the last pipeline stage)."""
+    return _per_token_no_grad(model, microbatches, temperature, values=False)
+
+
+def compute_values(model, microbatches: list[dict]) -> list[torch.Tensor]:
+    """`compute_logprobs` for a value model (`learner.value`): per-token values V(input_ids[:, :t])."""
+    return _per_token_no_grad(model, microbatches, 1.0, values=True)
+
+
+def _per_token_no_grad(model, microbatches: list[dict], temperature: float, values: bool) -> list[torch.Tensor]:
     from megatron.core import parallel_state as ps
 
+    chunks = model if isinstance(model, list) else [model]
+    if is_value_model(chunks[0]) != values:
+        raise TypeError(f"compute_{'values' if values else 'logprobs'} got a {'language' if values else 'value'} model")
     collected = []
 
-    def record(logprobs, mb):
-        collected.append(logprobs.detach())
-        return logprobs.new_zeros(()), {}
+    def record(per_token, mb):
+        collected.append(per_token.detach())
+        return per_token.new_zeros(()), {}
 
     forward_backward(model, microbatches, record, forward_only=True, temperature=temperature)
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        chunks = model if isinstance(model, list) else [model]
         device = next(chunks[0].parameters()).device
         if not ps.is_pipeline_last_stage():
             collected = [torch.empty(mb["input_ids"].shape, dtype=torch.float32, device=device) for mb in microbatches]

@@ -1,16 +1,21 @@
-"""Rewards: GSM8k exact match, a reward-model worker process, and failure-aware scoring."""
+"""Rewards: GSM8k exact match, a reward-model worker process, failure-aware scoring, and
+`make_scorer`, which picks the run's reward from `reward.kind`."""
 from megatron_async.rewards.gsm8k import answers_match, extract_answer, gsm8k_reward, parse_number
 from megatron_async.rewards.reward_model import RewardModelWorker
+from megatron_async.rewards.scorer import ExactMatchScorer, Scorer, make_scorer
 from megatron_async.rewards.scoring import SampleScore, ScoreReport, ScoringError, score_samples
 
 __all__ = [
+    "ExactMatchScorer",
     "RewardModelWorker",
     "SampleScore",
     "ScoreReport",
+    "Scorer",
     "ScoringError",
     "answers_match",
     "extract_answer",
     "gsm8k_reward",
+    "make_scorer",
     "parse_number",
     "score_samples",
 ]

@@ -8,14 +8,17 @@ requests over two multiprocessing queues.
     with RewardModelWorker("runs/rm", batch_size=16) as rm:
         report = rm.score(prompts, completions)      # ScoreReport, see scoring.py
 
+The trainer gets one for the run from `scorer.make_scorer` (reward.kind=reward_model) and calls it
+from the producer thread and from evaluation; calls are serialised (one request in flight).
+
 The text scored is `prompt + completion` (format prompts for the RM, e.g. with a chat template,
 before calling). Sequences longer than `max_length` tokens are cut on the LEFT, keeping the end of
 the completion the reward is about. The score is logit 0 at the last non-pad token (the model must
 have num_labels == 1 and a pad token distinct from the tokens it scores).
 
 Failures follow scoring.py: a micro-batch whose forward pass raises marks its samples as errors,
-a request that outlives `timeout_s` marks its unanswered samples as timed out and the worker is
-killed (it is restarted on the next call), a dead worker marks them as errors. Nothing is ever
+a request that outlives `timeout_s` per micro-batch of `batch_size` texts marks its samples as
+timed out and the worker is killed (it is restarted on the next call), a dead worker marks them as errors. Nothing is ever
 scored 0 in their place. Weights are loaded with safetensors only (`use_safetensors=True`).
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import queue
+import threading
 import time
 import traceback
 from typing import Sequence
@@ -80,9 +84,10 @@ class RewardModelWorker:
         start_timeout_s: float = 300.0,
     ):
         self.args = (str(path), dtype, num_threads, batch_size, max_length)
-        self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
+        self.batch_size, self.timeout_s, self.start_timeout_s = batch_size, timeout_s, start_timeout_s
         self._ctx = mp.get_context("spawn")  # never fork a process that may hold threads or CUDA
         self._proc = None
+        self._lock = threading.Lock()  # NOTE: one request in flight: the queues carry no request id
 
     def start(self) -> None:
         if self._proc is not None:
@@ -95,17 +100,21 @@ class RewardModelWorker:
             self.close()
             raise RuntimeError(f"reward model worker for {self.args[0]} failed to start: {payload}")
 
-    def score(self, prompts: Sequence[str], completions: Sequence[str], on_error: str = "drop") -> ScoreReport:
+    def score(self, prompts: Sequence[str], completions: Sequence[str], references: Sequence[str | None] = (),
+              on_error: str = "drop") -> ScoreReport:
+        """Score prompt + completion texts. `references` is not used (a reward model judges the text
+        alone); it is there so that this is a `scorer.Scorer`."""
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
-        self.start()
-        self._requests.put([p + c for p, c in zip(prompts, completions)])
-        status, payload = self._wait(self.timeout_s, "score")
-        if status == "ok":
-            scores = [SampleScore(i, reward=r, error=e) for i, (r, e) in enumerate(payload)]
-        else:  # timeout or death: kill, so the next call starts clean (no stale answer in a queue)
-            self.close(graceful=False)
-            scores = [SampleScore(i, error=payload, timed_out=status == "timeout") for i in range(len(prompts))]
+        with self._lock:
+            self.start()
+            self._requests.put([p + c for p, c in zip(prompts, completions)])
+            status, payload = self._wait(self.timeout_s * max(1, -(-len(prompts) // self.batch_size)), "score")
+            if status == "ok":
+                scores = [SampleScore(i, reward=r, error=e) for i, (r, e) in enumerate(payload)]
+            else:  # timeout or death: kill, so the next call starts clean (no stale answer in a queue)
+                self.close(graceful=False)
+                scores = [SampleScore(i, error=payload, timed_out=status == "timeout") for i in range(len(prompts))]
         return ScoreReport(scores).enforce(on_error, what=list(completions))
 
     def _wait(self, timeout_s: float, what: str) -> tuple[str, object]:

@@ -22,6 +22,11 @@ stale as soon as any update has happened; it rejoins only after the learner push
 weights to it (`replicas_needing_weights()` lists who needs them; the pool keeps no weight copy).
 The `max_failures + 1`-th failure of one replica raises `PoolError`. Every wait is bounded;
 a dispatcher thread's error is re-raised in the caller of `generate`.
+
+Where the processes run: a `LocalLauncher` starts them as this process's children; with
+`server=(host, port)` a replica host (`megatron-async serve-replicas`, rollout/host.py) on another
+machine starts them, and the pool drives it over TCP. Supervision (failure budget, restarts,
+requeues, "stale until re-synced") stays in the pool either way; the host only executes.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import math
 import os
 import queue
 import secrets
+import socket
 import subprocess
 import sys
 import tempfile
@@ -39,7 +45,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from megatron_async.rollout.replica import LOOPBACK, ReplicaClient, ReplicaError, ReplicaSpec, Sampling, launch_config
 
@@ -80,9 +86,10 @@ class ReplicaInfo:
 class _Replica:
     """Pool-side state of one replica (mutated by its dispatcher thread and the pool's methods)."""
 
-    def __init__(self, replica_id: int, port: int, log_path: Path):
-        self.id, self.port, self.log_path = replica_id, port, log_path
-        self.proc: subprocess.Popen | None = None
+    def __init__(self, replica_id: int, port: int):
+        self.id, self.port = replica_id, port
+        self.pid: int | None = None
+        self.incarnation = 0  # bumped per launch: a failure is acted on once per process
         self.gen: ReplicaClient | None = None  # used by the dispatcher thread only
         self.ctl: ReplicaClient | None = None  # health / version, under self.lock
         self.version = 0
@@ -92,6 +99,91 @@ class _Replica:
         # NOTE: held while restarting and while querying, so a health check never mistakes a
         # replica that another thread is restarting for a dead one.
         self.lock = threading.RLock()
+
+
+class LocalLauncher:
+    """Replica processes on this machine: the pool's own children, or a replica host's.
+
+    Each gets its launch config (with the authkey) on stdin and reports its port through a ready
+    file; its output goes to `log_dir/replica<i>.log`.
+    """
+
+    def __init__(self, host: str, authkey: bytes, log_dir: Path, start_timeout_s: float,
+                 env: dict[str, str] | None = None, devices: Sequence[str] | None = None):
+        self.host, self.authkey, self.log_dir, self.start_timeout_s = host, authkey, Path(log_dir), start_timeout_s
+        self.env, self.devices = dict(env or {}), devices
+        self.machine = socket.gethostname()  # where the replicas run (reachability checks)
+        self._procs: dict[int, subprocess.Popen] = {}
+
+    def _paths(self, rid: int) -> tuple[Path, Path]:
+        return self.log_dir / f"replica{rid}.log", self.log_dir / f"replica{rid}.ready"
+
+    def start(self, spec: ReplicaSpec, rid: int, port: int) -> None:
+        log_path, ready = self._paths(rid)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        ready.unlink(missing_ok=True)
+        # NOTE: a pool owned by a torchrun rank must not hand its rendezvous variables (RANK,
+        # MASTER_PORT, ...) to the replica, whose vLLM sets up its own torch.distributed world.
+        env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+        env.update(self.env)
+        if self.devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.devices[rid]
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "megatron_async.rollout.replica"],
+                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
+            )
+        self._procs[rid] = proc
+        proc.stdin.write(launch_config(spec, rid, self.host, port, self.authkey, str(ready)).encode())
+        proc.stdin.close()
+
+    def wait_ready(self, rid: int) -> tuple[int, int]:
+        """(port, pid) once replica `rid` serves; PoolError if it exits or times out while starting."""
+        proc, (_, ready) = self._procs[rid], self._paths(rid)
+        deadline = time.monotonic() + self.start_timeout_s
+        while not ready.exists():
+            if proc.poll() is not None:
+                raise PoolError(f"replica {rid} exited with code {proc.returncode} while starting; {self.log_tail(rid)}")
+            if time.monotonic() > deadline:
+                self.kill(rid)
+                raise PoolError(f"replica {rid} not ready after {self.start_timeout_s:.0f} s; {self.log_tail(rid)}")
+            time.sleep(0.1)
+        return int(json.loads(ready.read_text())["port"]), proc.pid
+
+    def exit_code(self, rid: int) -> int | None:
+        """None while replica `rid`'s process runs."""
+        return self._procs[rid].poll()
+
+    def kill(self, rid: int, grace_s: float = 0.0) -> None:
+        """Give the process `grace_s` to exit (after a shutdown request), then terminate; 0 = SIGKILL now."""
+        proc = self._procs.get(rid)
+        if proc is None or proc.poll() is not None:
+            return
+        if grace_s:
+            try:
+                proc.wait(grace_s)
+                return
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+            try:
+                proc.wait(5.0)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+        proc.kill()
+        proc.wait(5.0)
+
+    def log_tail(self, rid: int, lines: int = 15) -> str:
+        log_path = self._paths(rid)[0]
+        try:
+            tail = log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            tail = []
+        return f"log {log_path}:\n" + "\n".join(tail)
+
+    def close(self) -> None:
+        for rid in self._procs:
+            self.kill(rid)
 
 
 class _Job:
@@ -139,6 +231,7 @@ class ReplicaPool:
         max_failures: int = 3,  # restarts allowed per replica
         env: dict[str, str] | None = None,  # extra environment for the replica processes
         devices: Sequence[str] | None = None,  # CUDA_VISIBLE_DEVICES per replica (GPU)
+        server: tuple[str, int] | None = None,  # a replica host (serve-replicas) starts them; None = here
     ):
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
@@ -146,26 +239,29 @@ class ReplicaPool:
             raise ValueError(f"refusing to bind replicas to non-loopback host {host!r} without an explicit authkey (rollout.token)")
         if devices is not None and len(devices) != num_replicas:
             raise ValueError(f"devices has {len(devices)} entries for {num_replicas} replicas")
-        self.spec, self.host = spec, host
+        if server is not None and (not authkey or env or devices is not None):
+            raise ValueError("a replica host needs the shared authkey (rollout.token) and sets env/devices itself")
+        self.spec, self.host, self.server = spec, host, server
         self.authkey = (authkey.encode() if isinstance(authkey, str) else authkey) or secrets.token_bytes(32)
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="replicas-"))
         self.start_timeout_s, self.request_timeout_s, self.max_failures = start_timeout_s, request_timeout_s, max_failures
-        self.env, self.devices = dict(env or {}), devices
         self.current_version = spec.initial_version
         self.requeues = 0
-        self._replicas = [
-            _Replica(i, base_port + i if base_port else 0, self.log_dir / f"replica{i}.log") for i in range(num_replicas)
-        ]
+        self._replicas = [_Replica(i, base_port + i if base_port else 0) for i in range(num_replicas)]
+        self._launcher: Any = None if server else LocalLauncher(
+            host, self.authkey, Path(log_dir or tempfile.mkdtemp(prefix="replicas-")), start_timeout_s, env, devices)
         self._lock = threading.Lock()  # pool counters and versions
         self._gen_lock = threading.Lock()  # one generate call at a time
         self._started = False
 
     # -- life cycle -----------------------------------------------------------------------------
     def start(self) -> "ReplicaPool":
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         atexit.register(self.stop)
         self._started = True
         try:
+            if self.server is not None:
+                from megatron_async.rollout.host import RemoteLauncher
+
+                self._launcher = RemoteLauncher(self.server, self.authkey, len(self._replicas), self.start_timeout_s)
             for rep in self._replicas:
                 self._launch(rep)
             for rep in self._replicas:
@@ -187,43 +283,27 @@ class ReplicaPool:
             return
         self._started = False
         atexit.unregister(self.stop)
-        for rep in self._replicas:
-            if rep.proc is not None and rep.proc.poll() is None and rep.ctl is not None:
-                try:
-                    rep.ctl.call("shutdown", wait_s=5.0)
-                except (ConnectionError, TimeoutError, ReplicaError):
-                    pass
-        for rep in self._replicas:
-            self._kill(rep, grace_s=10.0)
+        if self._launcher is None:  # the replica host never answered
+            return
+        try:
+            for rep in self._replicas:
+                if rep.pid is not None and self._launcher.exit_code(rep.id) is None and rep.ctl is not None:
+                    try:
+                        rep.ctl.call("shutdown", wait_s=5.0)
+                    except (ConnectionError, TimeoutError, ReplicaError):
+                        pass
+            for rep in self._replicas:
+                self._kill(rep, grace_s=10.0)
+        except PoolError as e:  # the replica host is gone, and its replicas with it
+            print(f"[pool] stop: {e}", flush=True)
+        self._launcher.close()
 
     def _launch(self, rep: _Replica) -> None:
-        ready = self.log_dir / f"replica{rep.id}.ready"
-        ready.unlink(missing_ok=True)
-        # NOTE: a pool owned by a torchrun rank must not hand its rendezvous variables (RANK,
-        # MASTER_PORT, ...) to the replica, whose vLLM sets up its own torch.distributed world.
-        env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
-        env.update(self.env)
-        if self.devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = self.devices[rep.id]
-        with open(rep.log_path, "ab") as log:
-            rep.proc = subprocess.Popen(
-                [sys.executable, "-m", "megatron_async.rollout.replica"],
-                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
-            )
-        rep.proc.stdin.write(launch_config(self.spec, rep.id, self.host, rep.port, self.authkey, str(ready)).encode())
-        rep.proc.stdin.close()
+        self._launcher.start(self.spec, rep.id, rep.port)
+        rep.incarnation += 1
 
     def _wait_ready(self, rep: _Replica) -> None:
-        ready = self.log_dir / f"replica{rep.id}.ready"
-        deadline = time.monotonic() + self.start_timeout_s
-        while not ready.exists():
-            if rep.proc.poll() is not None:
-                raise PoolError(f"replica {rep.id} exited with code {rep.proc.returncode} while starting; {self._log_tail(rep)}")
-            if time.monotonic() > deadline:
-                self._kill(rep)
-                raise PoolError(f"replica {rep.id} not ready after {self.start_timeout_s:.0f} s; {self._log_tail(rep)}")
-            time.sleep(0.1)
-        rep.port = int(json.loads(ready.read_text())["port"])
+        rep.port, rep.pid = self._launcher.wait_ready(rep.id)
         address = (self.host, rep.port)
         rep.gen = ReplicaClient(address, self.authkey, timeout_s=60.0, label=f"replica {rep.id}")
         rep.ctl = ReplicaClient(address, self.authkey, timeout_s=10.0, label=f"replica {rep.id}")
@@ -233,22 +313,12 @@ class ReplicaPool:
         for client in (rep.gen, rep.ctl):
             if client is not None:
                 client.abort()
-        if rep.proc is None or rep.proc.poll() is not None:
-            return
-        try:
-            rep.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            rep.proc.terminate()
-            try:
-                rep.proc.wait(5.0)
-            except subprocess.TimeoutExpired:
-                rep.proc.kill()
-                rep.proc.wait(5.0)
+        self._launcher.kill(rep.id, grace_s)
 
-    def _restart(self, rep: _Replica, failed_proc: subprocess.Popen, reason: str) -> None:
-        """Replace `failed_proc` by a new replica process (no-op if another thread already did)."""
+    def _restart(self, rep: _Replica, failed: int, reason: str) -> None:
+        """Replace incarnation `failed` by a new replica process (no-op if another thread already did)."""
         with rep.lock:
-            if rep.proc is not failed_proc:
+            if rep.incarnation != failed:
                 return
             self._restart_locked(rep, reason)
 
@@ -260,26 +330,25 @@ class ReplicaPool:
                 f"last failure: {reason}; {self._log_tail(rep)}"
             )
         print(f"[pool] restarting replica {rep.id} (failure {rep.failures}/{self.max_failures}): {reason}", flush=True)
-        if rep.proc is not None and rep.proc.poll() is None:
-            rep.proc.kill()
         self._kill(rep)
         self._launch(rep)
         self._wait_ready(rep)
 
-    def _log_tail(self, rep: _Replica, lines: int = 15) -> str:
-        try:
-            tail = rep.log_path.read_text(errors="replace").splitlines()[-lines:]
-        except OSError:
-            tail = []
-        return f"log {rep.log_path}:\n" + "\n".join(tail)
+    def _log_tail(self, rep: _Replica) -> str:
+        return self._launcher.log_tail(rep.id)
 
     # -- state ------------------------------------------------------------------------------------
+    @property
+    def machine(self) -> str:
+        """Host name of the machine the replicas run on (loopback addresses work only there)."""
+        return self._launcher.machine
+
     @property
     def addresses(self) -> list[tuple[str, int]]:
         return [(self.host, rep.port) for rep in self._replicas]
 
     def pids(self) -> list[int]:
-        return [rep.proc.pid for rep in self._replicas]
+        return [rep.pid for rep in self._replicas]
 
     def _seen(self, rep: _Replica, status: dict) -> None:
         with self._lock:
@@ -304,8 +373,8 @@ class ReplicaPool:
         for rep in self._replicas:
             with rep.lock:
                 try:
-                    if rep.proc.poll() is not None:
-                        raise ConnectionError(f"replica {rep.id} exited with code {rep.proc.returncode}")
+                    if (code := self._launcher.exit_code(rep.id)) is not None:
+                        raise ConnectionError(f"replica {rep.id} exited with code {code}")
                     statuses.append(self._query(rep))
                 except (ConnectionError, TimeoutError) as e:
                     self._restart_locked(rep, str(e))
@@ -330,7 +399,7 @@ class ReplicaPool:
         """
         self.health_check()
         return [
-            ReplicaInfo(rep.id, (self.host, rep.port), rep.proc.pid, rep.version, rep.weights_ok)
+            ReplicaInfo(rep.id, (self.host, rep.port), rep.pid, rep.version, rep.weights_ok)
             for rep in self._replicas
             if not rep.weights_ok or rep.version < self.current_version
         ]
@@ -396,11 +465,11 @@ class ReplicaPool:
         """Dispatcher thread of one replica: pull a chunk, generate, repeat; requeue on failure."""
         try:
             while not job.stop.is_set():
-                proc = rep.proc
+                incarnation = rep.incarnation
                 try:
                     fresh = self._fresh(rep)
                 except (ConnectionError, TimeoutError) as e:
-                    self._restart(rep, proc, str(e))
+                    self._restart(rep, incarnation, str(e))
                     continue
                 if not fresh:
                     job.stop.wait(0.25)
@@ -429,7 +498,7 @@ class ReplicaPool:
                     if isinstance(e, ReplicaError):
                         rep.weights_ok = False  # re-queried by _fresh before the next chunk
                     else:
-                        self._restart(rep, proc, str(e))
+                        self._restart(rep, incarnation, str(e))
                     continue
                 self._seen(rep, answer)
                 rep.chunks += 1

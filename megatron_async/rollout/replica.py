@@ -8,7 +8,10 @@ on GPU vLLM runs as usual and `tensor_parallel_size` spans that many GPUs.
 Protocol (`multiprocessing.connection` over TCP, bound to 127.0.0.1 unless told otherwise, always
 with an authkey): each request is a dict `{"op": ...}`, each answer a dict with "ok"; a weight
 bucket's bytes follow its request as one `send_bytes` message. Ops: health and version (both
-answer the status dict), generate, update_begin, update_bucket, update_end, shutdown. Every
+answer the status dict), generate, nccl_init, update_begin, update_bucket, update_end, shutdown.
+An update_bucket request names its transport: "socket" (its bytes follow), "shm" (its "source"
+names a segment in /dev/shm, same host) or "nccl" (its "source" holds the layout; the bytes come
+by NCCL broadcast, weights/nccl.py). Every
 connection gets its own thread. Messages are pickles: the authkey is what keeps strangers out,
 so treat it as a secret that grants code execution on the replica host.
 
@@ -199,7 +202,7 @@ class ReplicaServer:
                     continue
                 req = conn.recv()
                 op = req.get("op")
-                payload = conn.recv_bytes() if op == "update_bucket" else None
+                payload = conn.recv_bytes() if op == "update_bucket" and req.get("transport") == "socket" else None
                 try:
                     answer = self._dispatch(req, payload)
                 except ReplicaError as e:
@@ -230,7 +233,12 @@ class ReplicaServer:
         if op == "update_begin":
             return self._update_begin(req["version"], req["stage"], req["num_stages"])
         if op == "update_bucket":
-            return self._update_bucket(req["version"], req["stage"], payload, req["checksum"])
+            if req.get("transport") not in ("socket", "shm", "nccl"):
+                raise ReplicaError(f"update_bucket: unknown transport {req.get('transport')!r}", "bad_request")
+            source = payload if req["transport"] == "socket" else req["source"]
+            return self._update_bucket(req["version"], req["stage"], source, req["checksum"])
+        if op == "nccl_init":
+            return self._nccl_init(req["stage"], req["address"], req["port"], req["rank_offset"], req["world_size"])
         if op == "update_end":
             return self._update_end(req["version"], req["stage"], req["num_buckets"])
         if op == "shutdown":
@@ -246,6 +254,7 @@ class ReplicaServer:
             "weights_ok": self.weights_ok,
             "stale_reason": self.stale_reason,
             "updating": None if upd is None else upd.version,
+            "workers": self.spec.tensor_parallel_size,  # NCCL ranks this replica takes in a sync group
         }
 
     # -- generation ---------------------------------------------------------------------------
@@ -324,11 +333,18 @@ class ReplicaServer:
             raise ReplicaError(f"no open update {version} for stage {stage}{reason}", "update")
         return upd
 
-    def _update_bucket(self, version: int, stage: int, payload: bytes, expected_checksum: int) -> dict:
+    def _nccl_init(self, stage: int, address: str, port: int, rank_offset: int, world_size: int) -> dict:
+        """Join stage `stage`'s NCCL weight-sync group (weights/nccl.py); blocks until the sender joins."""
+        with self._cv:
+            self._rpc("mas_nccl_init", stage, address, port, rank_offset, world_size)
+        return {"ok": True}
+
+    def _update_bucket(self, version: int, stage: int, source, expected_checksum: int) -> dict:
+        """Load one bucket; `source` is its bytes or where to find them (worker_extension.mas_load_bucket)."""
         with self._cv:
             upd = self._current(version, stage)
             try:
-                loaded = self._rpc("mas_load_bucket", payload, expected_checksum)
+                loaded = self._rpc("mas_load_bucket", source, expected_checksum)
             except Exception as e:
                 self._abort(f"update {version} stage {stage} bucket {upd.open_stages[stage]}: {e}")
                 raise ReplicaError(f"update {version} stage {stage} bucket {upd.open_stages[stage]} rejected: {e}", "update") from e

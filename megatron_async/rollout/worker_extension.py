@@ -7,7 +7,11 @@ worker, reached through `llm.collective_rpc(name, args=...)`. It uses vLLM's pub
 `packed_modules_mapping` class attribute; the one reach into a layer is `refresh_tied_head`.
 
 Invariants, per update (begin -> bucket* -> finish):
-- A bucket is verified (CRC32) before anything from it is loaded; a bad bucket loads nothing.
+- A bucket is verified (CRC32, or `device_checksum` for NCCL) before anything from it is loaded;
+  a bad bucket loads nothing. Its bytes come by the transport the sender chose (`mas_load_bucket`'s
+  `source`): socket bytes, a shared-memory segment (weights/shm.py) or an NCCL broadcast
+  (weights/nccl.py); the tensors are zero-copy views of those bytes, and shards held across
+  buckets are cloned (a segment is rewritten by the next bucket).
 - Every `reload_weights` call holds only complete fused groups. vLLM fuses q/k/v into `qkv_proj`
   and gate/up into `gate_up_proj`, and its in-place reload re-processes a layer per call: a layer
   given only part of its shards in one call is processed with the rest uninitialised (measured:
@@ -24,6 +28,7 @@ from __future__ import annotations
 import logging
 
 from megatron_async.weights.buckets import unpack_bucket
+from megatron_async.weights.shm import open_segment
 
 # NOTE: every per-bucket `reload_weights` call makes vLLM warn, for each layer the bucket does not
 # touch, that it "failed to load weights" (the layer keeps its current weights, which is what a
@@ -81,13 +86,47 @@ class WeightUpdateExtension:
             "held": {},  # vLLM name -> {shard: tensor}, incomplete fused groups
             "covered": set(),  # vLLM parameter names fully loaded in this update
             "tensors": 0,
+            "segments": {},  # shm path -> read-only mapping, dropped when the update ends
         }
 
-    def mas_load_bucket(self, payload: bytes, expected_checksum: int) -> dict:
-        """Verify and load one bucket; returns {"tensors": loaded now, "held": shards waiting}."""
+    def mas_nccl_init(self, stage: int, address: str, port: int, rank_offset: int, world_size: int) -> None:
+        """Join (or re-join) pipeline stage `stage`'s NCCL group with its sender (GPU only)."""
+        from megatron_async.weights.nccl import open_worker_group
+
+        self._mas_nccl = getattr(self, "_mas_nccl", {})
+        old = self._mas_nccl.pop(stage, None)
+        if old is not None:
+            old.destroy()
+        self._mas_nccl[stage] = open_worker_group(address, port, rank_offset, world_size, self.parallel_config)
+
+    def _mas_tensors(self, source, expected_checksum: int) -> dict:
+        """A bucket's {hf_name: tensor}, verified, from the transport that `source` names."""
+        if isinstance(source, (bytes, bytearray)):
+            return unpack_bucket(source, expected_checksum)
+        if "shm" in source:
+            segments = self._mas_update["segments"]
+            if source["shm"] not in segments:
+                segments[source["shm"]] = open_segment(source["shm"])
+            mapping = segments[source["shm"]]
+            if source["size"] > len(mapping):
+                raise ValueError(f"bucket of {source['size']} bytes overruns segment {source['shm']} ({len(mapping)} bytes)")
+            return unpack_bucket(memoryview(mapping)[: source["size"]], expected_checksum)
+        from megatron_async.weights.nccl import receive
+
+        comm = getattr(self, "_mas_nccl", {}).get(source["nccl"])
+        if comm is None:
+            raise RuntimeError(f"no NCCL group for stage {source['nccl']}: the sender did not run nccl_init")
+        return receive(comm, source["layout"], source["nbytes"], expected_checksum, self.device)
+
+    def mas_load_bucket(self, source, expected_checksum: int) -> dict:
+        """Verify and load one bucket; returns {"tensors": loaded now, "held": shards waiting}.
+
+        `source`: the payload bytes (socket), {"shm": path, "size": n}, or {"nccl": stage,
+        "layout": [[name, dtype, shape, offset]], "nbytes": n}.
+        """
         state = self._mas_update
-        ready = []
-        for name, tensor in unpack_bucket(payload, expected_checksum).items():
+        ready, waiting = [], []
+        for name, tensor in self._mas_tensors(source, expected_checksum).items():
             target, shard, num_shards = fused_group(name, state["packed"])
             if shard is None:
                 ready.append((name, tensor))
@@ -95,9 +134,13 @@ class WeightUpdateExtension:
                 continue
             group = state["held"].setdefault(target, {})
             group[name] = tensor
+            waiting.append((target, name))
             if len(group) == num_shards:
                 ready.extend(state["held"].pop(target).items())
                 state["covered"].add(target)
+        for target, name in waiting:  # NOTE: shards held for a later bucket must outlive this bucket's
+            if target in state["held"]:  # bytes (views; a shm segment is rewritten by the next bucket)
+                state["held"][target][name] = state["held"][target][name].clone()
         if ready:
             self.reload_weights(weights_iterator=iter(ready), is_checkpoint_format=True)
         state["tensors"] += len(ready)
@@ -117,4 +160,5 @@ class WeightUpdateExtension:
                 f"sent, e.g. {missing[:5]}"
             )
         tied = refresh_tied_head(self.model_runner.get_model())
+        state["segments"].clear()  # the senders unlink their segments; drop our mappings too
         return {"version": state["version"], "tensors": state["tensors"], "parameters": len(params), "tied_head": tied}

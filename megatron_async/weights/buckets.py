@@ -1,4 +1,4 @@
-"""Size-capped buckets of HF-named tensors for weight sync, serialised as safetensors bytes.
+"""Size-capped buckets of HF-named tensors for weight sync, in the safetensors layout.
 
 A weight sync streams a model as a sequence of buckets. `iter_buckets` turns a lazy iterator of
 (hf_name, tensor) into `Bucket`s without ever materialising the model:
@@ -8,21 +8,35 @@ A weight sync streams a model as a sequence of buckets. `iter_buckets` turns a l
   look-ahead tensor and the serialised bytes of that bucket (about two caps plus one tensor).
 - Cap: a bucket's tensor bytes never exceed `cap_bytes`, except a single tensor larger than the
   cap, which travels alone in its own bucket.
-- Order: buckets follow the input order (`Bucket.names` too); inside one payload safetensors
-  may store tensors in another order, which loading does not depend on.
+- Order: buckets follow the input order (`Bucket.names` too); inside one payload tensors are laid
+  out by falling element size (every tensor stays aligned), which loading does not depend on.
+- Layout: a payload is a valid safetensors file (8-byte header length, JSON header padded to 8
+  bytes, raw data), written straight into a buffer the transport provides (`alloc`: a bytearray
+  for the socket, the shared-memory segment for shm), and read back zero-copy by `unpack_bucket`
+  (torch.frombuffer views into the payload).
 - Integrity: each bucket carries the CRC32 of its payload; `unpack_bucket` refuses a payload
   whose CRC32 differs (`BucketChecksumError`). CRC32 guards against corruption and truncation
   (~4 GB/s here); authenticity comes from the connection's authkey, not from the checksum.
+  Device buffers (the NCCL transport) use `device_checksum` instead: CRC32 would need the bytes
+  on the host.
 """
 from __future__ import annotations
 
+import json
+import struct
+import warnings
 import zlib
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+
+# safetensors dtype codes
+ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+TORCH_DTYPES = {code: dtype for dtype, code in ST_DTYPES.items()}
 
 
 class BucketChecksumError(ValueError):
@@ -32,36 +46,103 @@ class BucketChecksumError(ValueError):
 @dataclass(frozen=True)
 class Bucket:
     index: int  # position in this sync's stream, from 0
-    payload: bytes  # safetensors serialisation of the bucket's tensors
+    payload: bytes | bytearray | memoryview  # the bucket's tensors in the safetensors layout
     checksum: int  # CRC32 of payload
     names: tuple[str, ...]  # HF names, in order
     tensor_bytes: int  # sum of the tensors' nbytes (payload adds a small header)
 
 
-def checksum(payload: bytes) -> int:
+def checksum(payload: bytes | bytearray | memoryview) -> int:
     """CRC32 of a payload, as an unsigned int."""
     return zlib.crc32(payload) & 0xFFFFFFFF
 
 
-def pack_bucket(index: int, tensors: list[tuple[str, torch.Tensor]]) -> Bucket:
-    """Serialise (hf_name, tensor) pairs into one bucket (tensors are moved to CPU, made contiguous)."""
+def device_checksum(data: torch.Tensor, chunk_words: int = 1 << 23) -> int:
+    """Checksum of a flat uint8 tensor whose length is a multiple of 8, computed where it lives.
+
+    Sum over 64-bit words w_i of w_i * (2i + 1), modulo 2**64 (integer sums are exact in any
+    order, so sender and receiver GPUs agree). The multipliers are odd, hence invertible: any
+    single changed word changes the sum. Chunked to bound the temporary memory.
+    """
+    if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() % 8:
+        raise ValueError(f"device_checksum needs a flat uint8 tensor of a multiple of 8 bytes, got {data.dtype} {tuple(data.shape)}")
+    words = data.view(torch.int64)
+    total = torch.zeros((), dtype=torch.int64, device=data.device)
+    for start in range(0, words.numel(), chunk_words):
+        chunk = words[start : start + chunk_words]
+        odd = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=data.device) * 2 + 1
+        total += (chunk * odd).sum()
+    return int(total.item()) & 0xFFFFFFFFFFFFFFFF
+
+
+def pack_bucket(
+    index: int, tensors: list[tuple[str, torch.Tensor]], alloc: Callable[[int], memoryview | bytearray] = bytearray
+) -> Bucket:
+    """Write (hf_name, tensor) pairs into `alloc(size)` in the safetensors layout; one copy per tensor.
+
+    `alloc` returns a writable buffer of exactly `size` bytes. Tensors may live on any device:
+    each is copied from where it lives straight into the buffer.
+    """
     names = [n for n, _ in tensors]
     if len(set(names)) != len(names):
         raise ValueError(f"bucket {index} has duplicate tensor names: {sorted(n for n in set(names) if names.count(n) > 1)}")
-    cpu = {n: t.detach().to("cpu").contiguous() for n, t in tensors}
-    payload = st_save(cpu)
-    return Bucket(index, payload, checksum(payload), tuple(names), sum(t.nbytes for t in cpu.values()))
+    unknown = {str(t.dtype) for _, t in tensors if t.dtype not in ST_DTYPES}
+    if unknown:
+        raise ValueError(f"bucket {index}: dtypes {sorted(unknown)} have no safetensors code")
+    # NOTE: largest elements first, and the header padded to 8 bytes: every tensor's data then
+    # starts at a multiple of its element size, which the zero-copy views in unpack_bucket need.
+    ordered = sorted(tensors, key=lambda nt: -nt[1].element_size())
+    header, offset = {}, 0
+    for name, t in ordered:
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    start = 8 + len(head)
+    buf = alloc(start + offset)
+    view = memoryview(buf)
+    view[:8] = struct.pack("<Q", len(head))
+    view[8:start] = head
+    if offset:
+        data = torch.frombuffer(buf, dtype=torch.uint8, count=offset, offset=start)
+        for name, t in ordered:
+            lo, hi = header[name]["data_offsets"]
+            if hi > lo:
+                data[lo:hi].copy_(t.detach().reshape(-1).view(torch.uint8))
+    return Bucket(index, buf, checksum(buf), tuple(names), offset)
 
 
-def unpack_bucket(payload: bytes, expected_checksum: int) -> dict[str, torch.Tensor]:
-    """Verify a payload's checksum, then deserialise it into {hf_name: tensor}."""
+def unpack_bucket(payload: bytes | bytearray | memoryview, expected_checksum: int) -> dict[str, torch.Tensor]:
+    """Verify a payload's checksum, then view it as {hf_name: tensor} without copying.
+
+    The tensors alias `payload`: a caller keeping one past the payload's lifetime (or past the next
+    write into a reused buffer) must clone it.
+    """
     got = checksum(payload)
     if got != expected_checksum:
         raise BucketChecksumError(
             f"bucket checksum mismatch: payload of {len(payload)} bytes has CRC32 {got:#010x}, "
             f"sender said {expected_checksum:#010x}"
         )
-    return st_load(payload)
+    (head_len,) = struct.unpack_from("<Q", payload)
+    start = 8 + head_len
+    header = json.loads(bytes(memoryview(payload)[8:start]))
+    header.pop("__metadata__", None)
+    out = {}
+    with warnings.catch_warnings():
+        # NOTE: a socket payload is read-only `bytes`; the views are only read (reload_weights
+        # copies them into the model), so torch's "buffer is not writable" warning does not apply.
+        warnings.simplefilter("ignore", UserWarning)
+        for name, info in header.items():
+            dtype, shape = TORCH_DTYPES[info["dtype"]], info["shape"]
+            lo, hi = info["data_offsets"]
+            count = (hi - lo) // torch.empty((), dtype=dtype).element_size()
+            out[name] = (
+                torch.frombuffer(payload, dtype=dtype, count=count, offset=start + lo).view(shape)
+                if count else torch.empty(shape, dtype=dtype)
+            )
+    return out
 
 
 def group_by_cap(
@@ -86,7 +167,13 @@ def group_by_cap(
         yield group
 
 
-def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], cap_bytes: int) -> Iterator[Bucket]:
-    """Lazily pack a stream of (hf_name, tensor) into serialised, checksummed, size-capped buckets."""
+def iter_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], cap_bytes: int,
+    alloc: Callable[[int], memoryview | bytearray] = bytearray,
+) -> Iterator[Bucket]:
+    """Lazily pack a stream of (hf_name, tensor) into checksummed, size-capped buckets.
+
+    With a reused `alloc` buffer (shared memory) a bucket is valid only until the next is packed.
+    """
     for index, group in enumerate(group_by_cap(named_tensors, cap_bytes)):
-        yield pack_bucket(index, group)
+        yield pack_bucket(index, group, alloc)

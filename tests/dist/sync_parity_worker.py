@@ -6,7 +6,8 @@ Per model, rank 0 starts a one-replica ReplicaPool (as the trainer's driver rank
 broadcasts its addresses and authkey. Then, for each layout TP=1 (x DP=2), TP=2 and PP=2, the
 learner is built from the HF checkpoint and runs ROUNDS rounds of: (from round 1 on) one Adam
 step, so the weights really change -> every stage's source rank pushes `iter_hf_weights` with a
-WeightSender (the other ranks iterate along for the gathers) -> rank 0 samples from vLLM ->
+WeightSender, over shared memory in rounds 0 and 2 and over the socket in round 1 (the other ranks
+iterate along for the gathers) -> rank 0 samples from vLLM ->
 every rank computes the learner's logprobs of the sampled tokens. Rank 0 writes OUT/parity.json:
 one row per (model, layout, round) with vLLM-vs-learner max |diff|, how much the step moved the
 previous round's logprobs, and how many replicas published the version.
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (tp, pp) on 2 ranks
 ROUNDS = 3
+TRANSPORTS = ("shm", "socket", "shm")  # per round
 PROMPT_LEN, NEW_TOKENS, N = 4, 12, 2
 
 
@@ -51,7 +53,8 @@ def run_layout(model_dir: Path, tp: int, pp: int, pool, addresses, authkey, firs
     load_hf_weights(chunks, model_dir)
     ddp, opt, sched = build_optimizer(chunks, OptimSettings(lr=1e-2, clip_grad=1.0))
     source = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-    sender = WeightSender(addresses, authkey, timeout_s=60, bucket_bytes=256 << 10) if source else None
+    senders = {t: WeightSender(addresses, authkey, timeout_s=60, bucket_bytes=256 << 10, transport=t)
+               for t in set(TRANSPORTS)} if source else {}
     vocab = chunks[0].arch.vocab_size
     g = torch.Generator().manual_seed(first_version)
     prompts = torch.randint(3, vocab, (4, PROMPT_LEN), generator=g).tolist()
@@ -62,7 +65,7 @@ def run_layout(model_dir: Path, tp: int, pp: int, pool, addresses, authkey, firs
             train_step(ddp, opt, sched, [microbatch(torch.randint(3, vocab, (4, PROMPT_LEN + NEW_TOKENS), generator=g).tolist())], nll)
         named = iter_hf_weights(ddp)
         if source:
-            sync = sender.push(version, ps.get_pipeline_model_parallel_rank(), pp, named)
+            sync = senders[TRANSPORTS[rnd]].push(version, ps.get_pipeline_model_parallel_rank(), pp, named)
         else:
             sync = {}
             for _ in named:  # no-op loop on non-source ranks; they take part in the TP gathers
@@ -86,9 +89,9 @@ def run_layout(model_dir: Path, tp: int, pp: int, pool, addresses, authkey, firs
             "model": model_dir.name, "tp": tp, "pp": pp, "round": rnd, "version": version,
             "record_versions": sorted({v for _, _, v in payload[0]}), "records": len(seqs),
             "max_diff": (learner_lp - vllm_lp).abs().max().item(), "moved": moved,
-            "published": int(published.item()), "buckets": sync.get("buckets"),
+            "published": int(published.item()), "buckets": sync.get("buckets"), "transport": TRANSPORTS[rnd],
         })
-    if sender is not None:
+    for sender in senders.values():
         sender.close()
     ps.destroy_model_parallel()
     return rows

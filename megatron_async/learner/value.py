@@ -1,0 +1,63 @@
+"""The PPO value model: the policy's megatron-core GPTModel with a scalar head instead of the LM head.
+
+    chunks = build_value_model(init_model)      # this rank's stage, initial weights loaded
+    ddp, optimizer, scheduler = learner.optimizer.build_optimizer(chunks, settings)
+    values = learner.logprobs.compute_values(ddp, microbatches)   # [b, s] per microbatch
+
+Design: the same `GPTModel` as the policy (built and loaded by `learner.model.build_model` and
+`weights.mapping.load_hf_weights`, so TP/PP sharding, the pipeline schedule, DDP, the optimizer
+and `dist_checkpointing` are the policy's own), whose `output_layer` on the last stage is swapped
+for `ValueHead`. GPTModel calls `output_layer(hidden, weight=..., runtime_gather_output=...)` on
+the final-normed hidden states and transposes its output to [b, s, ...], so the head's [s, b, 1]
+comes out as [b, s, 1] with no other change to megatron. Alternatives were worse: building with
+`post_process=False` skips the final RMSNorm too, and a vocab-sized LM head kept beside a head
+would waste vocab x hidden weights and Adam state.
+
+The head is `Linear(hidden, 1)` REPLICATED over TP: with sequence parallelism off (as
+`learner.model.transformer_config` sets it; on, the head would see a sequence shard) every TP rank
+holds the full final hidden states, so every rank computes the same values and the same head
+gradients (megatron counts a parameter without `tensor_model_parallel` once in the grad norm).
+It starts at zero (V = 0 everywhere, identical on every rank without an RNG); the trunk starts
+from the policy's initial (SFT) weights. The paper (and TRL's PPO examples) initialise the value
+model from the reward model; this trainer's rollouts are scored by exact match (no reward model
+is wired into them), so there is none to start from. Embeddings are untied in the value model
+(its head has its own weights), so no embedding gradient is all-reduced between pipeline stages.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_async.learner.model import build_model, unwrap_model
+
+
+class ValueHead(torch.nn.Module):
+    """[s, b, hidden] -> ([s, b, 1], None): the call signature of GPTModel's output layer."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        # named weight/bias like the LM head's: LanguageModule.sharded_state_dict looks them up
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
+
+    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
+
+
+def build_value_model(hf_dir) -> list:
+    """This rank's value-model chunks: the HF checkpoint's trunk, a zero `ValueHead` on the last stage."""
+    from megatron_async.weights.mapping import load_hf_weights
+
+    chunks = build_model(hf_dir)
+    load_hf_weights(chunks, hf_dir)  # before the swap: the mapping knows the LM head, not ours
+    for model in chunks:
+        model.share_embeddings_and_output_weights = False
+        if model.post_process:
+            p = next(model.parameters())
+            model.output_layer = ValueHead(model.config.hidden_size, p.dtype, p.device)
+        model.value_model = True  # read by `is_value_model` on every stage
+    return chunks
+
+
+def is_value_model(chunk) -> bool:
+    """True for chunks from `build_value_model` (also when wrapped by megatron DDP)."""
+    return getattr(unwrap_model(chunk), "value_model", False)

@@ -1,0 +1,58 @@
+"""The run's reward, chosen in one place: `make_scorer(cfg.reward)`.
+
+Both scorers share one interface, what the trainer's producer thread (training batches) and the
+evaluation (held-out prompts) call:
+
+    scorer = make_scorer(cfg.reward)     # a reward model's worker process is started here
+    report = scorer.score(prompt_texts, completion_texts, reference_answers, on_error)
+    scorer.close()
+
+- `gsm8k_exact_match`: `gsm8k_reward` in threads with a per-sample timeout (scoring.score_samples);
+  needs the reference answers.
+- `reward_model`: a `RewardModelWorker` process; references are not used (a prompt may have none).
+Either way a sample that could not be scored is counted in the `ScoreReport` and dropped or stops
+the run (`reward.on_error`), never given reward 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+from megatron_async.rewards.gsm8k import gsm8k_reward
+from megatron_async.rewards.reward_model import RewardModelWorker
+from megatron_async.rewards.scoring import ScoreReport, score_samples
+
+if TYPE_CHECKING:
+    from megatron_async.config import RewardConfig
+
+
+class Scorer(Protocol):
+    def score(self, prompts: Sequence[str], completions: Sequence[str], references: Sequence[str | None],
+              on_error: str = "drop") -> ScoreReport: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class ExactMatchScorer:
+    """GSM8k exact match of each completion's final number against its reference answer."""
+
+    timeout_s: float = 5.0
+
+    def score(self, prompts: Sequence[str], completions: Sequence[str], references: Sequence[str | None],
+              on_error: str = "drop") -> ScoreReport:
+        samples = list(zip(prompts, completions, references, strict=True))
+        return score_samples(samples, gsm8k_reward, timeout_s=self.timeout_s, on_error=on_error)
+
+    def close(self) -> None:
+        """Nothing to release: scoring runs in the caller's threads."""
+
+
+def make_scorer(cfg: RewardConfig) -> Scorer:
+    """The scorer `reward.kind` names, ready to score (a reward model is loaded before this returns)."""
+    if cfg.kind == "reward_model":
+        rm = RewardModelWorker(cfg.model_path, batch_size=cfg.batch_size, max_length=cfg.max_length,
+                               dtype=cfg.dtype, timeout_s=cfg.timeout_s)
+        rm.start()
+        return rm
+    return ExactMatchScorer(timeout_s=cfg.timeout_s)

@@ -1,0 +1,105 @@
+"""Shared-memory transport for weight sync to replicas on the learner's host.
+
+The sender packs each bucket straight into a file in /dev/shm (`ShmSegment`, mode 0600, sized
+for a bucket and reused for the sender's life; WeightSender alternates two) and sends the replica
+only its path, size and CRC32 over the control socket; the replica's worker maps the file
+read-only (`open_segment`) and loads the bucket through zero-copy views. The bytes never cross a
+socket.
+
+Safety:
+- No bucket is overwritten while it is read: the sender rewrites a segment only after every
+  replica answered the bucket in it, and the worker clones what it keeps across buckets (held
+  fused shards).
+- Cleanup: `ShmSegment.close()` (and a `weakref.finalize` at garbage collection or interpreter
+  exit) unlinks the file; a replica's mapping then lives until it drops it at the end of the update.
+  Only a SIGKILLed sender leaves a `mas-wsync-*` file behind.
+- Space: tmpfs pages are reserved up front (`posix_fallocate`), so a full /dev/shm is an error
+  here, not a SIGBUS on a later write.
+- Only files named `mas-wsync-*` directly under /dev/shm are opened on the replica side.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import weakref
+
+SHM_DIR = "/dev/shm"
+PREFIX = "mas-wsync-"
+HEADER_SLACK = 1 << 20  # room for a bucket's safetensors header beyond its tensor bytes
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class ShmSegment:
+    """Sender side: a reused, owner-only file in /dev/shm; `buffer(n)` returns its first n bytes."""
+
+    def __init__(self, initial_bytes: int):
+        self.initial_bytes = initial_bytes + HEADER_SLACK
+        self.path: str | None = None
+        self.size = 0
+        self._mm: mmap.mmap | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    def buffer(self, nbytes: int) -> memoryview:
+        """A writable view of `nbytes`; replaces the file by a larger one if it does not fit."""
+        if self._mm is None or nbytes > self.size:
+            self._create(max(nbytes, self.initial_bytes))
+        return memoryview(self._mm)[:nbytes]
+
+    def _create(self, size: int) -> None:
+        self.close()
+        path = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        finalizer = weakref.finalize(self, _unlink, path)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                raise OSError(
+                    e.errno, f"cannot reserve {size / 2**20:.0f} MiB in {SHM_DIR} ({free_bytes() / 2**20:.0f} MiB free): "
+                    f"lower rollout.sync_bucket_mb or set rollout.weight_transport=socket"
+                ) from e
+            self._mm = mmap.mmap(fd, size)
+        except BaseException:
+            finalizer()
+            raise
+        finally:
+            os.close(fd)
+        self.path, self.size, self._finalizer = path, size, finalizer
+
+    def close(self) -> None:
+        """Unlink the file; the mapping goes when the last view of it does."""
+        if self._finalizer is not None:
+            self._finalizer()
+        # NOTE: no mmap.close(): a bucket's memoryview may still be alive (BufferError); dropping
+        # the reference unmaps it once the views are gone.
+        self._mm, self.path, self.size, self._finalizer = None, None, 0, None
+
+
+def free_bytes() -> int:
+    """Space left in /dev/shm (a container's is often only 64 MiB)."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def open_segment(path: str) -> mmap.mmap:
+    """Replica side: map a sender's segment read-only; clear errors for a bad or missing path."""
+    if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith(PREFIX):
+        raise ValueError(f"refusing shared-memory path {path!r}: not a {SHM_DIR}/{PREFIX}* segment")
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"shared-memory segment {path} not found: the sender closed it, or the replica is not on "
+            f"the sender's host (use rollout.weight_transport=socket)"
+        ) from None
+    try:
+        return mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)

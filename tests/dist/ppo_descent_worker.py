@@ -1,0 +1,84 @@
+"""Worker for tests/test_algorithms_learner.py: PPO learner steps on one fixed batch.
+
+    python tests/dist/ppo_descent_worker.py MODEL_DIR OUT.json
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist/ppo_descent_worker.py MODEL_DIR OUT.json --pp 2
+
+The trainer's own learner (`trainer.build_learner`: megatron-core policy, reference and value
+model) and its own `Trainer.learner_step`, called 6 times on the same batch: 4 prompts x K=2
+completions, one scored 1 and one 0, with the initial policy's logprobs as the generator's (as
+vLLM reports them at version 0). Then a run checkpoint is saved, loaded into a freshly built
+learner, and both take one more step (two passes, so Adam state and LR schedule count). Rank 0
+writes every step's metrics, each completion's summed logprob under the policy before and after
+the 6 steps, and the metrics of the continued and the resumed 7th step.
+"""
+import argparse
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("model_dir")
+    p.add_argument("out")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    from megatron_async import algorithms
+    from megatron_async.batching import Sample
+    from megatron_async.checkpointing import load_run_checkpoint, save_run_checkpoint
+    from megatron_async.config import load_config
+    from megatron_async.learner.logprobs import compute_logprobs
+    from megatron_async.learner.parallel import destroy_parallel, init_parallel
+    from megatron_async.losses import sequence_logprobs
+    from megatron_async.producer import RolloutBatch
+    from megatron_async.rollout.pool import Completion
+    from megatron_async.trainer import Trainer, build_learner
+
+    # gamma = lam = 1: the returns are the rewards-to-go, fixed targets for the value model
+    cfg = load_config(None, [f"run.out_dir={Path(a.out).parent}", f"run.name=tp{a.tp}pp{a.pp}",
+                             f"model.hf_path={a.model_dir}", f"parallel.tp={a.tp}", f"parallel.pp={a.pp}",
+                             "trainer.algorithm=ppo", "rollout.k=2", "trainer.lr=1e-3", "trainer.value_lr=3e-3",
+                             "trainer.warmup_steps=0", "trainer.lr_decay=constant", "trainer.gamma=1.0",
+                             "trainer.lam=1.0", "trainer.updates_per_batch=2", "trainer.micro_batch_size=3"])
+    layout = init_parallel(a.tp, a.pp, seed=0)
+    try:
+        g = torch.Generator().manual_seed(0)
+        samples = []
+        for prompt in range(4):
+            ids = torch.randint(3, 300, (5,), generator=g).tolist()
+            for reward in (1.0, 0.0):
+                n = int(torch.randint(3, 8, (1,), generator=g))
+                samples.append(Sample(prompt_index=prompt, prompt_ids=ids, logprobs=None, reward=reward, version=0,
+                                      completion_ids=torch.randint(3, 300, (n,), generator=g).tolist()))
+
+        def new_trainer():
+            return Trainer(cfg, layout, ctrl=None, tokenizer=SimpleNamespace(pad_token_id=0), init_model=a.model_dir,
+                           tracker=None, producer=SimpleNamespace(buffered=list), **build_learner(cfg, a.model_dir))
+
+        trainer = new_trainer()
+        mbs = algorithms.build_microbatches("ppo", samples, pad_id=0, micro_batch_size=len(samples), k=2, beta=0.1)
+        gen = compute_logprobs(trainer.reference, mbs)[0]  # [rows, s], 0 off the completion tokens
+        completions = [[Completion(prompt_index=s.prompt_index, sample_index=i % 2, prompt_token_ids=tuple(s.prompt_ids),
+                                   token_ids=tuple(s.completion_ids), replica_id=0, policy_version=0, finish_reason="stop",
+                                   logprobs=tuple(gen[i, len(s.prompt_ids):len(s.prompt_ids) + len(s.completion_ids)].tolist()))
+                        for i, s in enumerate(samples) if s.prompt_index == prompt] for prompt in range(4)]
+        batch = RolloutBatch(index=0, policy_version=0, problems=[None] * 4, completions=completions,
+                             rewards=[[1.0, 0.0]] * 4)
+        history = [trainer.learner_step(batch, step=0) for _ in range(6)]
+        after = compute_logprobs(trainer.policy, mbs)[0]
+        path = save_run_checkpoint(trainer, next_step=6)
+        resumed = new_trainer()
+        load_run_checkpoint(resumed, path)
+        continued_step, resumed_step = trainer.learner_step(batch, step=6), resumed.learner_step(batch, step=6)
+        if torch.distributed.get_rank() == 0:
+            mask = mbs[0]["loss_mask"]
+            with open(a.out, "w") as f:
+                json.dump({"history": history, "rewards": mbs[0]["rewards"].tolist(),
+                           "logp_before": sequence_logprobs(gen, mask).tolist(),
+                           "logp_after": sequence_logprobs(after, mask).tolist(),
+                           "continued_step": continued_step, "resumed_step": resumed_step}, f)
+    finally:
+        destroy_parallel()
