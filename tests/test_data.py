@@ -1,6 +1,8 @@
 """Loaders (good and bad input), the real GSM8k files, synthetic problems, the prompt iterator,
 and prompt tokenization."""
 import json
+import operator
+import re
 from pathlib import Path
 
 import pytest
@@ -146,15 +148,22 @@ def test_synthetic_is_deterministic_and_splits_are_disjoint():
 
 
 def _keys(problems):
-    """Recover (kind, numbers) from the solution's calculator annotations for the split check."""
-    import re
-
-    kinds = {("+",): "add", ("-",): "sub", ("*",): "mul", ("/",): "div", ("+", "-"): "add_sub", ("*", "+"): "mul_add"}
+    """Recover (kind, numbers) from the question's wording and numbers for the split check."""
+    kinds = [("buys", "then gives", "add_sub"), ("boxes of", "", "mul_add"), ("bags with", "", "mul"),
+             ("shares", "", "div"), ("gets", "more", "add"), ("gives", "away", "sub")]
     for p in problems:
-        calcs = re.findall(r"<<(\d+)([-+*/])(\d+)=(\d+)>>", p.solution)
-        ops = tuple(op for _, op, _, _ in calcs)
-        numbers = (int(calcs[0][0]), int(calcs[0][2])) + tuple(int(c[2]) for c in calcs[1:])
-        yield kinds[ops], numbers
+        kind = next(k for a, b, k in kinds if a in p.question and b in p.question)
+        yield kind, tuple(int(n) for n in re.findall(r"\d+", p.question))
+
+
+def _left_to_right(expr: str) -> int:
+    """Value of a chain like "80 - 20 + 3 - 7" or "6 * 3", left to right (all the steps need)."""
+    ops = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}
+    parts = re.findall(r"\d+|[-+*/]", expr)
+    value = int(parts[0])
+    for op, n in zip(parts[1::2], parts[2::2]):
+        value = ops[op](value, int(n))
+    return value
 
 
 def test_synthetic_solutions_are_gsm8k_format_and_correct():
@@ -162,6 +171,8 @@ def test_synthetic_solutions_are_gsm8k_format_and_correct():
         assert p.solution.endswith(f"#### {p.answer}")
         assert int(p.answer) >= 0
         assert gsm8k_reward("", p.solution, p.solution) == 1.0
+        for claim in re.split(r"\.\s+| because ", p.solution.split("####")[0].strip().rstrip(".")):  # each step holds
+            assert len({_left_to_right(side) for side in claim.split(" = ")}) == 1, p.solution
     with pytest.raises(ValueError, match="split"):
         synthetic_problems(3, split="eval")
 

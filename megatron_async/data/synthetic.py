@@ -1,8 +1,16 @@
 """Procedural GSM8k-style arithmetic word problems: small numbers, one or two operations.
 
-Each problem comes with a GSM8k-format solution (calculator annotations and a final
-"#### <answer>"), so it goes through exactly the same loaders, template and exact-match reward as
-real GSM8k. Used by the CPU runs and the tests: a tiny model can learn it within minutes.
+Each problem comes with a GSM8k-format solution ending in "#### <answer>", so it goes through
+exactly the same loaders, template and exact-match reward as real GSM8k. Used by the CPU runs and
+the tests: a tiny model can learn it within minutes.
+
+Two styles of solution, as in human-written data of mixed quality (`DIRECT_FRACTION` of them
+direct): WORKED solutions compute by place value, "57 + 38 = 50 + 30 + 7 + 8 = 80 + 15 = 95.", so
+every step is a small fact that many problems share; DIRECT ones state only the answer, "95.". A
+tiny model imitates both, but only the worked style carries over to held-out calculations (after
+SFT the CPU main job's model is right on ~28% of held-out problems it answers worked and ~0% of
+those it answers direct). That is what gives RL with an exact-match reward something to learn:
+choose to show the working, and get the steps right (README, "The CPU main job").
 
 Determinism and splits: the generator is `random.Random` seeded from (seed, split), so the same
 arguments give the same list on any machine. A problem's split is a hash of its arithmetic
@@ -18,47 +26,63 @@ from megatron_async.data.prompts import Problem
 
 SPLITS = ("train", "test")
 TEST_FRACTION = 5  # 1 in 5 calculations belongs to "test"
+DIRECT_FRACTION = 0.5  # share of solutions that state only the answer
 NAMES = ["Ann", "Ben", "Cara", "Dan", "Eve", "Finn", "Gus", "Hana", "Ivy", "Jon"]
 THINGS = ["apples", "books", "coins", "pens", "cards", "eggs", "shells", "stamps", "marbles", "stickers"]
 
 
+def _add(a: int, b: int) -> list[str]:
+    """a + b by place value: tens with tens, ones with ones, then the two sums (57 + 38 = 50 + 30 + 7 + 8
+    = 80 + 15 = 95), so every step is a small fact shared by many problems."""
+    if a < 10 and b < 10:
+        return [f"{a} + {b} = {a + b}."]
+    ta, oa, tb, ob = a - a % 10, a % 10, b - b % 10, b % 10
+    return [f"{a} + {b} = {ta} + {tb} + {oa} + {ob} = {ta + tb} + {oa + ob} = {a + b}."]
+
+
+def _sub(a: int, b: int) -> list[str]:
+    """a - b by place value (83 - 27 = 80 - 20 + 3 - 7 = 60 - 4 = 56)."""
+    if a < 10:
+        return [f"{a} - {b} = {a - b}."]
+    ta, oa, tb, ob = a - a % 10, a % 10, b - b % 10, b % 10
+    ones = oa - ob
+    return [f"{a} - {b} = {ta} - {tb} + {oa} - {ob} = {ta - tb} {'+' if ones >= 0 else '-'} {abs(ones)} = {a - b}."]
+
+
+def _mul(a: int, b: int) -> list[str]:
+    """a * b from the times table, smaller factor first."""
+    return [f"{min(a, b)} * {max(a, b)} = {a * b}."]
+
+
 def _problem(rng: random.Random) -> tuple[str, tuple[int, ...], str, list[str], int]:
-    """(template name, numbers, question, solution steps, answer) for one random problem."""
+    """(template name, numbers, question, worked solution steps, answer) for one random problem."""
     nm, th = rng.choice(NAMES), rng.choice(THINGS)
     kind = rng.choice(["add", "sub", "mul", "div", "add_sub", "mul_add"])
     if kind == "add":
         a, b = rng.randint(2, 99), rng.randint(2, 99)
         q = f"{nm} has {a} {th} and gets {b} more. How many {th} does {nm} have now?"
-        return kind, (a, b), q, [f"{nm} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {th}."], a + b
+        return kind, (a, b), q, _add(a, b), a + b
     if kind == "sub":
         a = rng.randint(3, 99)
         b = rng.randint(1, a - 1)
         q = f"{nm} has {a} {th} and gives {b} away. How many {th} does {nm} have left?"
-        return kind, (a, b), q, [f"{nm} has {a} - {b} = <<{a}-{b}={a - b}>>{a - b} {th} left."], a - b
+        return kind, (a, b), q, _sub(a, b), a - b
     if kind == "mul":
-        a, b = rng.randint(2, 12), rng.randint(2, 12)
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
         q = f"{nm} has {a} bags with {b} {th} in each bag. How many {th} does {nm} have?"
-        return kind, (a, b), q, [f"{nm} has {a} * {b} = <<{a}*{b}={a * b}>>{a * b} {th}."], a * b
+        return kind, (a, b), q, _mul(a, b), a * b
     if kind == "div":
-        a, b = rng.randint(2, 12), rng.randint(2, 12)
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
         q = f"{nm} shares {a * b} {th} equally among {b} friends. How many {th} does each friend get?"
-        return kind, (a * b, b), q, [f"Each friend gets {a * b} / {b} = <<{a * b}/{b}={a}>>{a} {th}."], a
+        return kind, (a * b, b), q, [f"{a * b} / {b} = {a} because {min(a, b)} * {max(a, b)} = {a * b}."], a
     if kind == "add_sub":
-        a, b = rng.randint(2, 60), rng.randint(2, 40)
+        a, b = rng.randint(2, 50), rng.randint(2, 49)
         c = rng.randint(1, a + b - 1)
         q = f"{nm} has {a} {th}, buys {b} more, then gives {c} away. How many {th} does {nm} have now?"
-        steps = [
-            f"After buying, {nm} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {th}.",
-            f"After giving some away, {nm} has {a + b} - {c} = <<{a + b}-{c}={a + b - c}>>{a + b - c} {th}.",
-        ]
-        return kind, (a, b, c), q, steps, a + b - c
-    a, b, c = rng.randint(2, 9), rng.randint(2, 12), rng.randint(1, 30)  # mul_add
+        return kind, (a, b, c), q, _add(a, b) + _sub(a + b, c), a + b - c
+    a, b, c = rng.randint(2, 9), rng.randint(2, 9), rng.randint(1, 30)  # mul_add
     q = f"{nm} buys {a} boxes of {b} {th} and finds {c} more. How many {th} does {nm} have?"
-    steps = [
-        f"The boxes hold {a} * {b} = <<{a}*{b}={a * b}>>{a * b} {th}.",
-        f"In total {nm} has {a * b} + {c} = <<{a * b}+{c}={a * b + c}>>{a * b + c} {th}.",
-    ]
-    return kind, (a, b, c), q, steps, a * b + c
+    return kind, (a, b, c), q, _mul(a, b) + _add(a * b, c), a * b + c
 
 
 def split_of(kind: str, numbers: tuple[int, ...]) -> str:
@@ -81,7 +105,8 @@ def synthetic_problems(n: int, seed: int = 0, split: str = "train") -> list[Prob
         if split_of(kind, numbers) != split or (kind, numbers) in seen:
             continue
         seen.add((kind, numbers))
-        solution = "\n".join(steps) + f"\n#### {answer}"
+        worked = rng.random() >= DIRECT_FRACTION
+        solution = (" ".join(steps) if worked else f"{answer}.") + f"\n#### {answer}"
         problems.append(Problem(id=f"synthetic-{split}-{seed}-{len(problems)}", question=question, solution=solution, answer=str(answer)))
         if len(problems) == n:
             return problems
