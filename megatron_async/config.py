@@ -160,6 +160,9 @@ class RewardConfig:
     batch_size: int = 16  # kind=reward_model: texts per RM forward pass
     max_length: int = 1024  # kind=reward_model: prompt + completion tokens kept (cut on the left)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # kind=reward_model: RM weights
+    # kind=reward_model: where the RM process runs, "cpu" or "cuda:N" (a CUDA index as learner rank 0,
+    # which starts it, sees it; not one of the replicas' GPUs: README "Rewards")
+    device: str = "cpu"
     # exact match: per sample; reward_model: per forward pass of batch_size texts
     timeout_s: float = 30.0
     on_error: Literal["drop", "stop"] = "drop"  # a failed sample is dropped (counted) or stops the run
@@ -385,6 +388,18 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _require(cfg.reward.max_length >= 1, "reward.max_length", cfg.reward.max_length, "must be >= 1")
         _require(t.algorithm != "best_of_k_sft", "trainer.algorithm", t.algorithm,
                  "trains on completions that are an exact match (reward 1): needs reward.kind=gsm8k_exact_match")
+        _require(re.fullmatch(r"cpu|cuda:\d+", cfg.reward.device) is not None, "reward.device", cfg.reward.device,
+                 'must be "cpu" or "cuda:N" (a CUDA device index)')
+        if t.algorithm == "ppo":  # the value model starts from the RM (learner/value.py): it must split like the policy
+            from megatron_async.learner.model import read_arch
+
+            try:
+                read_arch(cfg.reward.model_path).check_parallel(par.tp, par.pp)
+            except (ValueError, KeyError, OSError) as e:
+                raise ConfigError(f"key 'reward.model_path' = {cfg.reward.model_path!r}: trainer.algorithm=ppo starts "
+                                  f"its value model from the reward model, which must be a LLaMA-family model that "
+                                  f"splits at parallel.tp={par.tp} x parallel.pp={par.pp}: "
+                                  f"{type(e).__name__}: {e}") from None
     if cfg.data.answer_key is None:  # prompts without a reference answer
         _require(cfg.reward.kind == "reward_model", "data.answer_key", None,
                  f"reward.kind={cfg.reward.kind} compares with the reference answer: name its field")

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_async import algorithms, batching, faults
-from megatron_async.config import Config, flatten, save_config
+from megatron_async.config import Config, ConfigError, flatten, save_config
 from megatron_async.cpu_affinity import replica_pin_env
 from megatron_async.producer import RolloutBatch, RolloutProducer
 from megatron_async.tracking import build_tracker
@@ -91,10 +91,17 @@ def tokenized_problems(cfg: Config, tokenizer, source: str, split: str, size: in
 def build_learner(cfg: Config, init_model: Path) -> dict[str, Any]:
     """This rank's learner models from the initial HF checkpoint, as `Trainer` fields: policy (DDP,
     with optimizer and scheduler), frozen reference, and for PPO the value model with its own."""
-    from megatron_async.learner.model import build_model
+    from megatron_async.learner.model import build_model, read_arch
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer
     from megatron_async.weights.mapping import load_hf_weights
 
+    value_from_rm = cfg.trainer.algorithm == "ppo" and cfg.reward.kind == "reward_model"
+    if value_from_rm:  # checked before anything is built; config.validate checked its TP x PP split
+        rm_vocab, vocab = read_arch(cfg.reward.model_path).vocab_size, read_arch(init_model).vocab_size
+        if rm_vocab != vocab:
+            raise ConfigError(f"key 'reward.model_path' = {cfg.reward.model_path!r}: vocab_size={rm_vocab}, the "
+                              f"policy's is {vocab}; PPO's value model starts from the reward model and reads "
+                              f"the policy's token ids, so they must share a tokenizer")
     policy = build_model(init_model)
     load_hf_weights(policy, init_model)
     reference = build_model(init_model)
@@ -109,13 +116,16 @@ def build_learner(cfg: Config, init_model: Path) -> dict[str, Any]:
                              decay_steps=max(1, optim_steps - t.warmup_steps), decay_style=t.lr_decay)
     policy, optimizer, scheduler = build_optimizer(policy, settings)
     parts = dict(policy=policy, reference=reference, optimizer=optimizer, scheduler=scheduler)
-    if t.algorithm == "ppo":  # the value model starts from the policy's initial weights
+    if t.algorithm == "ppo":  # the value model starts from the reward model if there is one, else the policy
         from megatron_async.learner.value import build_value_model
 
+        if value_from_rm:
+            value = build_value_model(cfg.reward.model_path, from_reward_model=True)
+        else:
+            value = build_value_model(init_model)
         value_lr = t.value_lr or t.lr  # the policy's schedule shape, scaled to value_lr
         value_settings = dataclasses.replace(settings, lr=value_lr, min_lr=t.min_lr * value_lr / t.lr)
-        parts["value"], parts["value_optimizer"], parts["value_scheduler"] = build_optimizer(
-            build_value_model(init_model), value_settings)
+        parts["value"], parts["value_optimizer"], parts["value_scheduler"] = build_optimizer(value, value_settings)
     return parts
 
 

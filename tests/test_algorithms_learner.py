@@ -2,7 +2,9 @@
 import json
 
 import pytest
+import torch
 
+from megatron_async.config import ConfigError, load_config
 from tests.dist import run_worker
 
 
@@ -54,3 +56,51 @@ def test_ppo_with_two_pipeline_stages_matches_one(ppo_tp1, tiny_ckpts, tmp_path)
         assert [h[key] for h in pp2["history"]] == pytest.approx([h[key] for h in ppo_tp1["history"]],
                                                                  rel=1e-4, abs=1e-5), key
     assert pp2["logp_after"] == pytest.approx(ppo_tp1["logp_after"], rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny_rm(tiny_ckpts, tmp_path_factory):
+    """A tiny LlamaForSequenceClassification (num_labels=1) with the policy's vocabulary but another
+    architecture (hidden 32, 1 layer, 1 KV head), its score head scaled so that scores are O(1)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    out = tmp_path_factory.mktemp("rm")
+    vocab = json.loads((tiny_ckpts["gqa"] / "config.json").read_text())["vocab_size"]
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=1, pad_token_id=0, num_labels=1)
+    torch.manual_seed(5)
+    model = LlamaForSequenceClassification(cfg).float()
+    with torch.no_grad():
+        model.score.weight.normal_(0, 1.0)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def test_ppo_value_model_starts_from_the_reward_model(tiny_ckpts, tiny_rm, tmp_path):
+    """Trunk and head loaded right: V at each sequence's end is the RM's score of it (fp32, TP=1)."""
+    out = tmp_path / "values.json"
+    run_worker("value_from_rm_worker.py", tiny_ckpts["gqa"], tiny_rm, out)
+    r = json.loads(out.read_text())
+    assert len(set(round(x, 3) for x in r["rm_scores"])) == 3 and max(map(abs, r["rm_scores"])) > 0.1  # not vacuous
+    assert r["values"] == pytest.approx(r["rm_scores"], abs=1e-4)
+
+
+def test_ppo_refuses_a_reward_model_it_cannot_start_the_value_model_from(tiny_ckpts, tiny_rm, tmp_path):
+    from megatron_async.trainer import build_learner
+
+    ppo = ["trainer.algorithm=ppo", "reward.kind=reward_model"]
+    with pytest.raises(ConfigError, match=r"'reward.model_path'.*num_key_value_heads=1"):  # the RM's 1 KV head
+        load_config(None, [*ppo, f"reward.model_path={tiny_rm}", "parallel.tp=2"])
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "num_attention_heads": 4}))
+    with pytest.raises(ConfigError, match=r"'reward.model_path'.*model_type 'gpt2' is not supported"):
+        load_config(None, [*ppo, f"reward.model_path={gpt2}"])
+    load_config(None, ["reward.kind=reward_model", f"reward.model_path={gpt2}"])  # fine when it only scores
+    other_vocab = tmp_path / "rm_vocab"
+    other_vocab.mkdir()
+    rm_config = json.loads((tiny_rm / "config.json").read_text())
+    (other_vocab / "config.json").write_text(json.dumps({**rm_config, "vocab_size": rm_config["vocab_size"] + 64}))
+    cfg = load_config(None, [*ppo, f"reward.model_path={other_vocab}"])
+    with pytest.raises(ConfigError, match=r"'reward.model_path'.*must share a tokenizer"):
+        build_learner(cfg, tiny_ckpts["gqa"])  # before anything is built: no megatron state needed

@@ -70,6 +70,7 @@ def test_literal_choices():
     (["data.train=/no/such/file.jsonl"], "data.train"),
     (["reward.kind=reward_model"], "reward.model_path"),
     (["reward.kind=reward_model", "reward.model_path=.", "trainer.algorithm=best_of_k_sft"], "trainer.algorithm"),
+    (["reward.kind=reward_model", "reward.model_path=.", "reward.device=gpu0"], "reward.device"),
     (["data.answer_key=null"], "data.answer_key"),  # exact match needs the reference
     (["reward.kind=reward_model", "reward.model_path=.", "data.answer_key=null", "sft.steps=5"], "data.answer_key"),
     (["trainer.algorithm=ppo", "trainer.value_lr=0"], "trainer.value_lr"),

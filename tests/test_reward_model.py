@@ -59,6 +59,28 @@ def test_worker_start_failure_is_reported(tmp_path):
     assert rm._proc is None
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_a_cuda_reward_device_without_cuda_fails_at_start_naming_the_key(rm_dir):
+    from megatron_async.config import ConfigError, load_config
+    from megatron_async.rewards import make_scorer
+
+    cfg = load_config(None, ["reward.kind=reward_model", f"reward.model_path={rm_dir[0]}", "reward.device=cuda:0"])
+    with pytest.raises(ConfigError, match=r"'reward.device' = 'cuda:0': no CUDA device here"):
+        make_scorer(cfg.reward)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_worker_on_cuda_scores_like_the_cpu_model(rm_dir):
+    path, tok, model = rm_dir
+    prompts, completions = ["Q: 2+2?\nA:", "Question: Ben has 12 pens.\nAnswer:"], [" 4 #### 4", " ten"]
+    expected = rm_scores(tok, model, [p + c for p, c in zip(prompts, completions)])
+    with RewardModelWorker(str(path), batch_size=2, timeout_s=60, device="cuda:0") as rm:
+        report = rm.score(prompts, completions)
+    assert report.n_errors == 0
+    assert [s.reward for s in report.scores] == pytest.approx(expected, abs=1e-3)  # fp32, GPU kernels
+
+
 def rm_scores(tok, model, texts: list[str]) -> list[float]:
     """In-process scores, one text at a time (no padding): the ground truth for the worker."""
     out = []

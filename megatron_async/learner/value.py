@@ -1,6 +1,7 @@
 """The PPO value model: the policy's megatron-core GPTModel with a scalar head instead of the LM head.
 
-    chunks = build_value_model(init_model)      # this rank's stage, initial weights loaded
+    chunks = build_value_model(init_model)      # this rank's stage, the policy's initial trunk, zero head
+    chunks = build_value_model(rm_dir, from_reward_model=True)   # the reward model's trunk and head
     ddp, optimizer, scheduler = learner.optimizer.build_optimizer(chunks, settings)
     values = learner.logprobs.compute_values(ddp, microbatches)   # [b, s] per microbatch
 
@@ -17,11 +18,15 @@ The head is `Linear(hidden, 1)` REPLICATED over TP: with sequence parallelism of
 `learner.model.transformer_config` sets it; on, the head would see a sequence shard) every TP rank
 holds the full final hidden states, so every rank computes the same values and the same head
 gradients (megatron counts a parameter without `tensor_model_parallel` once in the grad norm).
-It starts at zero (V = 0 everywhere, identical on every rank without an RNG); the trunk starts
-from the policy's initial (SFT) weights. The paper (and TRL's PPO examples) initialise the value
-model from the reward model; this trainer's rollouts are scored by exact match (no reward model
-is wired into them), so there is none to start from. Embeddings are untied in the value model
-(its head has its own weights), so no embedding gradient is all-reduced between pipeline stages.
+Initial weights, as the paper and TRL's PPO do: with a reward model (`reward.kind: reward_model`,
+an HF one-label `*ForSequenceClassification` checkpoint), its trunk and its `score.weight` as the
+head's weight, bias 0, so V_old at a sequence's last token is the RM's score of it; the RM's
+architecture may differ from the policy's (any LLaMA-family model that splits at the run's TP x PP;
+`config.validate` checks, naming `reward.model_path`) but it reads the policy's token ids, so it
+must share the policy's tokenizer (`trainer.build_learner` compares the vocabulary sizes). Without
+one (exact-match rewards), the policy's initial (SFT) trunk and a zero head (V = 0 everywhere,
+identical on every rank without an RNG). Embeddings are untied in the value model (its head has
+its own weights), so no embedding gradient is all-reduced between pipeline stages.
 """
 from __future__ import annotations
 
@@ -43,18 +48,22 @@ class ValueHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
-def build_value_model(hf_dir) -> list:
-    """This rank's value-model chunks: the HF checkpoint's trunk, a zero `ValueHead` on the last stage."""
+def build_value_model(hf_dir, from_reward_model: bool = False) -> list:
+    """This rank's value-model chunks: the trunk of the HF checkpoint `hf_dir` and a `ValueHead` on
+    the last stage, zero, or with `from_reward_model` (a one-label sequence classifier) its `score.weight`."""
     from megatron_async.weights.mapping import load_hf_weights
 
     chunks = build_model(hf_dir)
-    load_hf_weights(chunks, hf_dir)  # before the swap: the mapping knows the LM head, not ours
+    if not from_reward_model:
+        load_hf_weights(chunks, hf_dir)  # before the swap: the policy's checkpoint has an LM head, not ours
     for model in chunks:
         model.share_embeddings_and_output_weights = False
         if model.post_process:
             p = next(model.parameters())
             model.output_layer = ValueHead(model.config.hidden_size, p.dtype, p.device)
         model.value_model = True  # read by `is_value_model` on every stage
+    if from_reward_model:
+        load_hf_weights(chunks, hf_dir, score_head=True)  # after the swap: score.weight -> the head
     return chunks
 
 

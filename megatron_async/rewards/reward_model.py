@@ -2,10 +2,10 @@
 
 Why a process: the reward model's forward pass must not hold the GIL of the process that drives
 generation and training (the paper's own overhead came from sharing one interpreter), and a stuck
-or crashed scorer must be killable. The worker loads the checkpoint once and answers batched
-requests over two multiprocessing queues.
+or crashed scorer must be killable. The worker loads the checkpoint once, on `device` ("cpu" or
+"cuda:N", `reward.device`), and answers batched requests over two multiprocessing queues.
 
-    with RewardModelWorker("runs/rm", batch_size=16) as rm:
+    with RewardModelWorker("runs/rm", batch_size=16, device="cuda:7") as rm:   # device default "cpu"
         report = rm.score(prompts, completions)      # ScoreReport, see scoring.py
 
 The trainer gets one for the run from `scorer.make_scorer` (reward.kind=reward_model) and calls it
@@ -34,7 +34,8 @@ from typing import Sequence
 from megatron_async.rewards.scoring import SampleScore, ScoreReport
 
 
-def _worker_main(path: str, dtype: str, num_threads: int | None, batch_size: int, max_length: int, requests, results):
+def _worker_main(path: str, dtype: str, num_threads: int | None, batch_size: int, max_length: int, device: str,
+                 requests, results):
     """Worker process: load once, then answer [texts] -> [(reward | None, error | None)] per text."""
     try:
         import torch
@@ -45,6 +46,7 @@ def _worker_main(path: str, dtype: str, num_threads: int | None, batch_size: int
         tok = AutoTokenizer.from_pretrained(path)
         tok.padding_side, tok.truncation_side = "right", "left"
         model = AutoModelForSequenceClassification.from_pretrained(path, use_safetensors=True, dtype=getattr(torch, dtype))
+        model.to(device)
         if model.config.num_labels != 1:
             raise ValueError(f"{path}: reward model must have num_labels == 1, has {model.config.num_labels}")
         if tok.pad_token_id is None or model.config.pad_token_id is None:
@@ -60,7 +62,7 @@ def _worker_main(path: str, dtype: str, num_threads: int | None, batch_size: int
         for start in range(0, len(texts), batch_size):
             chunk = texts[start : start + batch_size]
             try:
-                enc = tok(chunk, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+                enc = tok(chunk, padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
                 with torch.no_grad():
                     logits = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
                 for value in logits[:, 0].float().tolist():
@@ -82,8 +84,9 @@ class RewardModelWorker:
         num_threads: int | None = None,
         timeout_s: float = 120.0,
         start_timeout_s: float = 300.0,
+        device: str = "cpu",
     ):
-        self.args = (str(path), dtype, num_threads, batch_size, max_length)
+        self.args = (str(path), dtype, num_threads, batch_size, max_length, device)
         self.batch_size, self.timeout_s, self.start_timeout_s = batch_size, timeout_s, start_timeout_s
         self._ctx = mp.get_context("spawn")  # never fork a process that may hold threads or CUDA
         self._proc = None

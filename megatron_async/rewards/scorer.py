@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence
 
+from megatron_async.config import ConfigError
 from megatron_async.rewards.gsm8k import gsm8k_reward
 from megatron_async.rewards.reward_model import RewardModelWorker
 from megatron_async.rewards.scoring import ScoreReport, score_samples
@@ -51,8 +52,15 @@ class ExactMatchScorer:
 def make_scorer(cfg: RewardConfig) -> Scorer:
     """The scorer `reward.kind` names, ready to score (a reward model is loaded before this returns)."""
     if cfg.kind == "reward_model":
+        if cfg.device != "cpu":
+            import torch
+
+            n = torch.cuda.device_count()  # 0 without CUDA
+            if int(cfg.device.split(":")[1]) >= n:
+                raise ConfigError(f"key 'reward.device' = {cfg.device!r}: " + (
+                    f"only {n} CUDA device(s) here" if n else "no CUDA device here; use \"cpu\""))
         rm = RewardModelWorker(cfg.model_path, batch_size=cfg.batch_size, max_length=cfg.max_length,
-                               dtype=cfg.dtype, timeout_s=cfg.timeout_s)
+                               dtype=cfg.dtype, timeout_s=cfg.timeout_s, device=cfg.device)
         rm.start()
         return rm
     return ExactMatchScorer(timeout_s=cfg.timeout_s)

@@ -13,6 +13,10 @@ three can never disagree. Layouts (megatron-core 0.16, checked bit-exactly by th
 - PP: each layer knows its global index (`layer.layer_number`, 1-based).
 - Tied embeddings: `output_layer.weight` exists only on the last stage when PP > 1; it is loaded
   from `model.embed_tokens.weight` and never yielded (the first stage yields that).
+- `score_head=True` (loading a PPO value model, `learner.value`, from a reward model): the
+  checkpoint is an HF `*ForSequenceClassification` with one label: the trunk as above, no
+  `lm_head.weight`, and `score.weight` [1, hidden] for the value head's weight (replicated over
+  TP); the value head's bias has no HF tensor and is left as it is.
 
 Public API: `expected_hf_shapes`, `validate_hf_checkpoint`, `load_hf_weights`, `iter_hf_weights`.
 """
@@ -64,6 +68,8 @@ TOP_RULES = {
     "output_layer.weight": Rule(("lm_head.weight",), 0),
 }
 _TIED_OUTPUT = Rule((EMBED,), 0)
+SCORE = "score.weight"
+_SCORE_HEAD = Rule((SCORE,), None)
 
 
 # ---- the layout arithmetic (the only copy) -------------------------------------------------------
@@ -123,12 +129,15 @@ def to_hf(gathered: torch.Tensor, rule: Rule, arch: LlamaArch, tp: int) -> tuple
 
 # ---- names, shapes and validation ----------------------------------------------------------------
 
-def expected_hf_shapes(arch: LlamaArch) -> dict[str, tuple[int, ...]]:
-    """Every tensor an HF checkpoint of `arch` must hold, with its shape."""
+def expected_hf_shapes(arch: LlamaArch, score_head: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF checkpoint of `arch` must hold, with its shape (`score_head`: a
+    one-label sequence classifier's, see the module docstring)."""
     H, F, V = arch.hidden_size, arch.intermediate_size, arch.vocab_size
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     shapes = {EMBED: (V, H), "model.norm.weight": (H,)}
-    if not arch.tie_word_embeddings:
+    if score_head:
+        shapes[SCORE] = (1, H)
+    elif not arch.tie_word_embeddings:
         shapes["lm_head.weight"] = (V, H)
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
@@ -166,7 +175,8 @@ def _safetensors_files(hf_dir: Path) -> dict[str, Path]:
     return names
 
 
-def validate_hf_checkpoint(hf_dir: str | os.PathLike, arch: LlamaArch | None = None) -> dict[str, Path]:
+def validate_hf_checkpoint(hf_dir: str | os.PathLike, arch: LlamaArch | None = None,
+                           score_head: bool = False) -> dict[str, Path]:
     """Check an HF checkpoint's tensor names and shapes against its architecture, reading headers
     only. Returns name -> file. Raises ValueError listing every missing, unexpected or misshapen
     tensor (name, expected vs found)."""
@@ -175,9 +185,9 @@ def validate_hf_checkpoint(hf_dir: str | os.PathLike, arch: LlamaArch | None = N
     hf_dir = Path(hf_dir)
     arch = arch or read_arch(hf_dir)
     files = _safetensors_files(hf_dir)
-    want = expected_hf_shapes(arch)
+    want = expected_hf_shapes(arch, score_head)
     problems = [f"missing tensor {k} (expected shape {list(s)})" for k, s in want.items() if k not in files]
-    optional = {"lm_head.weight"} if arch.tie_word_embeddings else set()
+    optional = {"lm_head.weight"} if arch.tie_word_embeddings and not score_head else set()
     for name, f in files.items():
         if name in optional or name.endswith("rotary_emb.inv_freq"):
             continue
@@ -193,8 +203,9 @@ def validate_hf_checkpoint(hf_dir: str | os.PathLike, arch: LlamaArch | None = N
     return files
 
 
-def _named_rules(chunk, arch: LlamaArch) -> Iterator[tuple[str, torch.nn.Parameter, Rule, str]]:
-    """(megatron name, param, rule, HF prefix) for every parameter of a model chunk."""
+def _named_rules(chunk, arch: LlamaArch, score_head: bool = False) -> Iterator[tuple[str, torch.nn.Parameter, Rule, str]]:
+    """(megatron name, param, rule, HF prefix) for every parameter of a model chunk (`score_head`:
+    its output layer is a value head, mapped to `score.weight`)."""
     model = _unwrap(chunk)
     layer_params = set()
     for layer in model.decoder.layers:
@@ -207,6 +218,10 @@ def _named_rules(chunk, arch: LlamaArch) -> Iterator[tuple[str, torch.nn.Paramet
     for name, param in model.named_parameters():
         if id(param) in layer_params:
             continue
+        if score_head and name.startswith("output_layer."):
+            if name == "output_layer.weight":
+                yield name, param, _SCORE_HEAD, ""
+            continue  # output_layer.bias: the value head's own, no HF tensor
         if name not in TOP_RULES:
             raise KeyError(f"no HF mapping for megatron parameter {name}")
         rule = _TIED_OUTPUT if name == "output_layer.weight" and arch.tie_word_embeddings else TOP_RULES[name]
@@ -220,11 +235,12 @@ def _tp():
 
 
 @torch.no_grad()
-def load_hf_weights(model_chunks: list, hf_dir: str | os.PathLike) -> None:
+def load_hf_weights(model_chunks: list, hf_dir: str | os.PathLike, score_head: bool = False) -> None:
     """Load an HF safetensors checkpoint into this rank's (TP/PP-sharded) model chunks.
 
     Validates names and shapes first (`validate_hf_checkpoint`), then streams: each parameter reads
-    only its own HF tensors, builds this rank's shard and copies it in.
+    only its own HF tensors, builds this rank's shard and copies it in. `score_head`: a one-label
+    sequence classifier into a value model (module docstring).
     """
     from safetensors import safe_open
 
@@ -233,10 +249,10 @@ def load_hf_weights(model_chunks: list, hf_dir: str | os.PathLike) -> None:
     if read_arch(hf_dir) != arch:
         raise ValueError(f"{hf_dir}/config.json describes another architecture than the model:\n"
                          f"  checkpoint {read_arch(hf_dir)}\n  model      {arch}")
-    files = validate_hf_checkpoint(hf_dir, arch)
+    files = validate_hf_checkpoint(hf_dir, arch, score_head)
     tp, rank, _ = _tp()
     for chunk in model_chunks:
-        for mname, param, rule, prefix in _named_rules(chunk, arch):
+        for mname, param, rule, prefix in _named_rules(chunk, arch, score_head):
             tensors = []
             for suffix in rule.hf:
                 with safe_open(str(files[prefix + suffix]), framework="pt") as fh:
