@@ -406,28 +406,48 @@ class Trainer:
 
         lay = self.layout
         t0 = time.monotonic()
+        pids_before = self.pool.pids() if self.rank0 else []
         named = iter_hf_weights([c.module for c in self.policy])
         result = {"seconds": 0.0, "gb_per_s": 0.0}
         if lay.tp_rank == 0 and lay.dp_rank == 0:
             addresses = [a for i, a in enumerate(self.replica_addresses) if replica_ids is None or i in replica_ids]
             # NOTE strict=False: a replica that dies during the push is dropped from it (its pool
-            # restarts it and `_wait_for` pushes to it before it takes work); only a push that
-            # reaches no replica at all is an error.
+            # restarts it and `_wait_for` pushes to it before it takes work); see below for a push
+            # that reaches no replica at all.
             with WeightSender(addresses, self.authkey, timeout_s=self.cfg.rollout.sync_timeout_s,
                               bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, strict=False,
                               transport=self.cfg.rollout.weight_transport) as sender:
                 result = sender.push(version, lay.pp_rank, lay.pp, named)
             if result["failed"]:
-                if not result["replicas"]:
-                    raise WeightSyncError(f"weight sync of version {version} reached no replica: {result['failed']}")
                 log.warning("weight sync of version %d: replicas dropped from the push: %s", version, result["failed"])
         else:
             for _ in named:  # take part in the TP gathers
                 pass
-        dist.barrier(group=self.ctrl)  # every stage has sent its part
+        # every stage has sent its part; rank 0 judges a push that reached no replica
+        missed_all = [None] * dist.get_world_size(self.ctrl)
+        dist.all_gather_object(missed_all, result["failed"] if result.get("failed") and not result["replicas"] else None,
+                               group=self.ctrl)
+        verdict = [None]
         if self.rank0:
+            failures = {k: v for f in missed_all if f for k, v in f.items()}
+            if failures and not self._all_restarted(pids_before, replica_ids):
+                verdict[0] = f"weight sync of version {version} reached no replica: {failures}"
             self.pool.weights_pushed(version)
+        dist.broadcast_object_list(verdict, src=0, group=self.ctrl)
+        if verdict[0]:
+            raise WeightSyncError(verdict[0])
         return {"seconds": time.monotonic() - t0, "gb_per_s": result["gb_per_s"]}
+
+    def _all_restarted(self, pids_before: list[int], replica_ids: list[int] | None) -> bool:
+        """Rank 0: did every replica a push targeted die and get restarted by the pool?
+
+        Then a push that reached none of them is no error: each restarted replica is stale, and
+        `_wait_for` pushes the current weights to it before it takes work. A replica that is still
+        the same process and refused or lost the update is (else retries could loop forever).
+        """
+        self.pool.health_check()  # restarts dead replicas
+        now = self.pool.pids()
+        return all(now[i] != pids_before[i] for i in range(len(now)) if replica_ids is None or i in replica_ids)
 
     # -- generation side (rank 0, producer thread) ---------------------------------------------------
     def _make_batch(self, index: int) -> RolloutBatch:
