@@ -1,1 +1,1 @@
-"""Command-line faces of `megatron_async.convert` (the HF <-> Megatron conversion)."""
+"""Command-line faces of `megatron_async.learner.convert` (the HF <-> Megatron conversion)."""

@@ -4,7 +4,7 @@
 """
 import sys
 
-from megatron_async.convert import main
+from megatron_async.learner.convert import main
 
 if __name__ == "__main__":
     sys.exit(main(["hf-to-megatron", *sys.argv[1:]]))

@@ -92,17 +92,17 @@ def main(argv: list[str] | None = None) -> int:
     # convert and bench own their argument parsing; everything after the word is theirs.
     for i, word in enumerate(argv):
         if word in ("convert", "bench"):
-            from megatron_async.log_utils import setup_logging
+            from megatron_async.observability.logs import setup_logging
 
             setup_logging()
-            module = {"convert": "megatron_async.convert", "bench": "megatron_async.bench"}[word]
+            module = {"convert": "megatron_async.learner.convert", "bench": "megatron_async.bench.commands"}[word]
             return _load(module, word).main(argv[i + 1:])
         if not word.startswith("-"):
             break
     args = parse_args(argv)
 
     from megatron_async.config import ConfigError, load_config
-    from megatron_async.log_utils import setup_logging
+    from megatron_async.observability.logs import setup_logging
 
     setup_logging(args.log_level)
     try:
@@ -126,11 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "placement":
         return _print_placement(cfg, args.node_rank)
     if args.command == "train":
-        return _load("megatron_async.train", "train").main(cfg, args.config, args.overrides, nproc=args.nproc)
+        return _load("megatron_async.run.launch", "train").main(cfg, args.config, args.overrides, nproc=args.nproc)
     if args.command == "serve-replicas":
         return _load("megatron_async.rollout.host", "serve-replicas").main(cfg, wait_s=args.wait_s)
     if args.command == "eval":
-        return _load("megatron_async.evaluate", "eval").main(cfg, checkpoint=args.checkpoint, data=args.data,
+        return _load("megatron_async.run.evaluate", "eval").main(cfg, checkpoint=args.checkpoint, data=args.data,
                                                              output=args.output)
     raise AssertionError(args.command)
 
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 def _print_placement(cfg, node_rank: int) -> int:
     """Shell assignments for one node (launch scripts `eval` them): how many learner ranks, which GPUs."""
     from megatron_async.config import ConfigError
-    from megatron_async.placement import check_fit, learner_nodes
+    from megatron_async.cluster.placement import check_fit, learner_nodes
 
     p = cfg.placement
     if not p.gpus_per_node:

@@ -18,17 +18,27 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import yaml
-
-ALGORITHMS = ("online_dpo", "ppo", "rloo", "proximal_rloo", "best_of_k_sft")
-
 
 _FLOAT_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 TOKEN_ENV = "MEGATRON_ASYNC_ROLLOUT_TOKEN"  # rollout.token when the config leaves it empty
+
+
+# Allowed-value sets used beyond the schema, each defined once here.
+OnLongPrompt = Literal["error", "drop"]  # data.on_long_prompt
+WeightTransport = Literal["auto", "socket", "shm", "nccl"]  # rollout.weight_transport
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})  # a host only this machine reaches
+
+
+def opt(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None) -> Any:
+    """One config key: its default and the help text that `megatron-async config --explain` prints."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
 
 
 class ConfigError(ValueError):
@@ -37,165 +47,167 @@ class ConfigError(ValueError):
 
 @dataclass
 class RunConfig:
-    name: str = "run"  # run name; outputs go to <out_dir>/<name>
-    out_dir: str = "runs"  # parent folder of run directories
-    seed: int = 1234  # seeds data order, sampling and initialisation
-    resume: bool = False  # continue from <run dir>/checkpoints/latest
+    name: str = opt("run", "run name; outputs go to <out_dir>/<name>")
+    out_dir: str = opt("runs", "parent folder of run directories")
+    seed: int = opt(1234, "seeds data order, sampling and initialisation")
+    resume: bool = opt(False, "continue from <run dir>/checkpoints/latest")
 
 
 @dataclass
 class ModelConfig:
-    # HF checkpoint directory (config.json + safetensors + tokenizer), or "tiny" to build a tiny
-    # LLaMA and BPE tokenizer in code (the CPU default; see megatron_async/models/tiny.py).
-    hf_path: str = "tiny"
-    tiny_hidden_size: int = 128  # tiny model only
-    tiny_layers: int = 4  # tiny model only
-    tiny_heads: int = 4  # tiny model only
-    tiny_kv_heads: int = 2  # tiny model only
-    dtype: Literal["float32", "bfloat16"] = "float32"  # learner and replica dtype (bf16 on GPU)
+    hf_path: str = opt("tiny",
+        "HF checkpoint directory (config.json + safetensors + tokenizer), or \"tiny\" to build a tiny LLaMA "
+        "and BPE tokenizer in code (the CPU default; see megatron_async/models/tiny.py).")
+    tiny_hidden_size: int = opt(128, "tiny model only")
+    tiny_layers: int = opt(4, "tiny model only")
+    tiny_heads: int = opt(4, "tiny model only")
+    tiny_kv_heads: int = opt(2, "tiny model only")
+    dtype: Literal["float32", "bfloat16"] = opt("float32", "learner and replica dtype (bf16 on GPU)")
 
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1  # learner tensor-parallel size
-    pp: int = 1  # learner pipeline-parallel size
-    # world size (learner ranks); 0 = take WORLD_SIZE from torchrun. DP = world / (tp * pp).
-    world_size: int = 0
-    # CPU ids for the learner ranks ("0", "0-3", "0,2"; split evenly over local ranks when there
-    # are enough): sched_setaffinity + torch threads. "" = no pinning. See cpu_affinity.py.
-    learner_cpus: int | str = ""
+    tp: int = opt(1, "learner tensor-parallel size")
+    pp: int = opt(1, "learner pipeline-parallel size")
+    world_size: int = opt(0,
+        "world size (learner ranks); 0 = take WORLD_SIZE from torchrun. DP = world / (tp * pp).")
+    learner_cpus: int | str = opt("",
+        "CPU ids for the learner ranks (\"0\", \"0-3\", \"0,2\"; split evenly over local ranks when there are"
+        " enough): sched_setaffinity + torch threads. \"\" = no pinning. See cpu_affinity.py.")
 
 
 @dataclass
 class DataConfig:
-    # "synthetic" (procedural GSM8k-style arithmetic), a .jsonl/.parquet path, or a datasets name
-    train: str = "synthetic"
-    eval: str = "synthetic"  # held-out problems, same forms as `train`
-    eval_size: int = 64  # held-out prompts evaluated, for pass@1 or the RM score (0 = all)
-    # record fields of file / `datasets` sources (ignored for "synthetic"): the prompt text, and the
-    # reference answer (must end in a number: exact match and SFT need it). answer_key: null = prompts
-    # only (reward.kind=reward_model, sft.steps=0), e.g. No Robots: question_key: prompt
-    question_key: str = "question"
-    answer_key: str | None = "answer"
-    prompt_template: str = "Question: {question}\nAnswer:"
-    max_prompt_tokens: int = 256  # longer prompts are an error (or dropped, see on_long_prompt)
-    on_long_prompt: Literal["error", "drop"] = "error"
+    train: str = opt("synthetic",
+        "\"synthetic\" (procedural GSM8k-style arithmetic), a .jsonl/.parquet path, or a datasets name")
+    eval: str = opt("synthetic", "held-out problems, same forms as `train`")
+    eval_size: int = opt(64, "held-out prompts evaluated, for pass@1 or the RM score (0 = all)")
+    question_key: str = opt("question",
+        "record field of the prompt text in file / `datasets` sources (ignored for \"synthetic\"); No Robots:"
+        " prompt")
+    answer_key: str | None = opt("answer",
+        "record field of the reference answer (must end in a number: exact match and SFT need it); null = "
+        "prompts only (reward.kind=reward_model, sft.steps=0)")
+    prompt_template: str = opt("Question: {question}\nAnswer:",
+        "the prompt text; {question} is filled in (other braces doubled)")
+    max_prompt_tokens: int = opt(256, "longer prompts are an error (or dropped, see on_long_prompt)")
+    on_long_prompt: OnLongPrompt = opt("error",
+        "a prompt over max_prompt_tokens stops the run (error) or is dropped and counted (drop)")
 
 
 @dataclass
 class RolloutConfig:
-    num_replicas: int = 1  # vLLM engines (each its own process)
-    replica_tp: int = 1  # vLLM tensor parallel size per replica (GPU)
-    prompts_per_step: int = 16  # prompts generated per learner step (the paper's batch)
-    k: int = 4  # completions per prompt (K); DPO trains best vs worst
-    max_lag: int = 1  # bound on policy staleness in learner steps; 0 = synchronous baseline
-    temperature: float = 0.7
-    top_p: float = 1.0
-    max_new_tokens: int = 64
-    stop: list = field(default_factory=list)  # stop strings
-    kv_cache_gib: float = 1.0  # vLLM KV cache per replica (required on CPU)
-    host: str = "127.0.0.1"  # replica control endpoints bind here
-    # first replica port (replica i binds base_port + i; fixed ports for firewalls between nodes);
-    # 0 = each replica binds a free port
-    base_port: int = 0
-    # auth token; generated when empty; required if host is not loopback. When empty, read from
-    # $MEGATRON_ASYNC_ROLLOUT_TOKEN (launch scripts use it: a command line is visible in `ps`)
-    token: str = ""
-    max_replica_failures: int = 3  # restarts before the run stops with an error
-    sync_bucket_mb: int = 64  # weight sync bucket cap (MB)
-    sync_timeout_s: float = 120.0  # a weight sync slower than this fails loudly
-    # how weight buckets reach the replicas (weights/sync.py): socket (bytes on the control socket),
-    # shm (a /dev/shm segment; replicas on this host), nccl (GPU broadcast; not yet run on a GPU);
-    # auto = shm for replicas on this host (loopback address), socket for remote ones
-    weight_transport: Literal["auto", "socket", "shm", "nccl"] = "auto"
-    generate_timeout_s: float = 600.0  # a generation chunk slower than this fails the replica
-    # CPU ids every replica process pins itself to ("1", "2-3"); "" = no pinning (if the learner
-    # is pinned, replicas get the CPUs the learner had before pinning). See cpu_affinity.py.
-    replica_cpus: int | str = ""
+    num_replicas: int = opt(1, "vLLM engines (each its own process)")
+    replica_tp: int = opt(1, "vLLM tensor parallel size per replica (GPU)")
+    prompts_per_step: int = opt(16, "prompts generated per learner step (the paper's batch)")
+    k: int = opt(4, "completions per prompt (K); DPO trains best vs worst")
+    max_lag: int = opt(1, "bound on policy staleness in learner steps; 0 = synchronous baseline")
+    temperature: float = opt(0.7, "sampling temperature of training rollouts (evaluation is greedy)")
+    top_p: float = opt(1.0, "nucleus sampling mass of training rollouts")
+    max_new_tokens: int = opt(64, "completion length cap (tokens)")
+    stop: list = opt(factory=list, help="stop strings")
+    kv_cache_gib: float = opt(1.0, "vLLM KV cache per replica (required on CPU)")
+    host: str = opt("127.0.0.1", "replica control endpoints bind here")
+    base_port: int = opt(0,
+        "first replica port (replica i binds base_port + i; fixed ports for firewalls between nodes); 0 = "
+        "each replica binds a free port")
+    token: str = opt("",
+        "auth token; generated when empty; required if host is not loopback. When empty, read from "
+        "$MEGATRON_ASYNC_ROLLOUT_TOKEN (launch scripts use it: a command line is visible in `ps`)")
+    max_replica_failures: int = opt(3, "restarts before the run stops with an error")
+    sync_bucket_mb: int = opt(64, "weight sync bucket cap (MB)")
+    sync_timeout_s: float = opt(120.0, "a weight sync slower than this fails loudly")
+    weight_transport: WeightTransport = opt("auto",
+        "how weight buckets reach the replicas (weights/sync.py): socket (bytes on the control socket), shm "
+        "(a /dev/shm segment; replicas on this host), nccl (GPU broadcast; not yet run on a GPU); auto = shm "
+        "for replicas on this host (loopback address), socket for remote ones")
+    generate_timeout_s: float = opt(600.0, "a generation chunk slower than this fails the replica")
+    replica_cpus: int | str = opt("",
+        "CPU ids every replica process pins itself to (\"1\", \"2-3\"); \"\" = no pinning (if the learner is "
+        "pinned, replicas get the CPUs the learner had before pinning). See cpu_affinity.py.")
 
 
 @dataclass
 class TrainerConfig:
-    algorithm: Literal["online_dpo", "ppo", "rloo", "proximal_rloo", "best_of_k_sft"] = "online_dpo"
-    steps: int = 20  # learner steps (one generation batch each)
-    lr: float = 5e-5
-    min_lr: float = 0.0
-    warmup_steps: int = 2
-    lr_decay: Literal["constant", "linear", "cosine"] = "linear"
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    minibatches: int = 1  # N: minibatches (optimizer steps) per generation batch
-    updates_per_batch: int = 1  # T: passes over each batch
-    micro_batch_size: int = 8  # sequences per forward/backward microbatch
-    beta: float = 0.1  # DPO beta / KL coefficient
-    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
-    # weight of an NLL term on the chosen completion added to the DPO loss (RPO, Pang et al. 2024:
-    # plain DPO lowers the chosen's likelihood too on math reasoning); 0 = the paper's plain DPO
-    dpo_nll_coef: float = 0.0
-    clip_eps: float = 0.2  # PPO / Proximal RLOO ratio clip
-    vf_coef: float = 0.1  # PPO value loss weight
-    # PPO value model learning rate (its own Adam; the policy's schedule, scaled); None = trainer.lr
-    value_lr: float | None = None
-    gamma: float = 1.0  # PPO discount
-    lam: float = 0.95  # PPO GAE lambda
-    checkpoint_every: int = 10  # steps between checkpoints (0 = only at the end)
-    eval_every: int = 0  # steps between pass@1 evaluations (0 = before and after only)
-    max_bad_steps: int = 3  # consecutive NaN/inf steps before the run stops
+    algorithm: Literal["online_dpo", "ppo", "rloo", "proximal_rloo", "best_of_k_sft"] = opt("online_dpo", "")
+    steps: int = opt(20, "learner steps (one generation batch each)")
+    lr: float = opt(5e-5, "peak learning rate of the policy (Adam)")
+    min_lr: float = opt(0.0, "learning rate at the end of the decay")
+    warmup_steps: int = opt(2, "linear warm-up, in optimizer steps")
+    lr_decay: Literal["constant", "linear", "cosine"] = opt("linear",
+        "decay from lr to min_lr over the run's optimizer steps")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    grad_clip: float = opt(1.0, "global gradient-norm clip (0 = none)")
+    adam_beta1: float = opt(0.9, "Adam beta1")
+    adam_beta2: float = opt(0.95, "Adam beta2")
+    minibatches: int = opt(1, "N: minibatches (optimizer steps) per generation batch")
+    updates_per_batch: int = opt(1, "T: passes over each batch")
+    micro_batch_size: int = opt(8, "sequences per forward/backward microbatch")
+    beta: float = opt(0.1, "DPO beta / KL coefficient")
+    dpo_loss: Literal["sigmoid", "ipo"] = opt("sigmoid", "online_dpo: the DPO (sigmoid) or IPO loss")
+    dpo_nll_coef: float = opt(0.0,
+        "weight of an NLL term on the chosen completion added to the DPO loss (RPO, Pang et al. 2024: plain "
+        "DPO lowers the chosen's likelihood too on math reasoning); 0 = the paper's plain DPO")
+    clip_eps: float = opt(0.2, "PPO / Proximal RLOO ratio clip")
+    vf_coef: float = opt(0.1, "PPO value loss weight")
+    value_lr: float | None = opt(None,
+        "PPO value model learning rate (its own Adam; the policy's schedule, scaled); None = trainer.lr")
+    gamma: float = opt(1.0, "PPO discount")
+    lam: float = opt(0.95, "PPO GAE lambda")
+    checkpoint_every: int = opt(10, "steps between checkpoints (0 = only at the end)")
+    eval_every: int = opt(0, "steps between pass@1 evaluations (0 = before and after only)")
+    max_bad_steps: int = opt(3, "consecutive NaN/inf steps before the run stops")
 
 
 @dataclass
 class SFTConfig:
-    steps: int = 0  # supervised warm-up steps on the train split before RL (0 = none)
-    lr: float = 1e-3
-    batch_size: int = 32
+    steps: int = opt(0, "supervised warm-up steps on the train split before RL (0 = none)")
+    lr: float = opt(1e-3, "SFT learning rate (constant)")
+    batch_size: int = opt(32, "SFT sequences per optimizer step")
 
 
 @dataclass
 class RewardConfig:
-    # how a completion is scored: rewards.make_scorer (README "Rewards")
-    kind: Literal["gsm8k_exact_match", "reward_model"] = "gsm8k_exact_match"
-    model_path: str = ""  # HF sequence-classification checkpoint, num_labels=1 (kind=reward_model)
-    batch_size: int = 16  # kind=reward_model: texts per RM forward pass
-    max_length: int = 1024  # kind=reward_model: prompt + completion tokens kept (cut on the left)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # kind=reward_model: RM weights
-    # kind=reward_model: where the RM process runs, "cpu" or "cuda:N" (a CUDA index as learner rank 0,
-    # which starts it, sees it; not one of the replicas' GPUs: README "Rewards")
-    device: str = "cpu"
-    # exact match: per sample; reward_model: per forward pass of batch_size texts
-    timeout_s: float = 30.0
-    on_error: Literal["drop", "stop"] = "drop"  # a failed sample is dropped (counted) or stops the run
+    kind: Literal["gsm8k_exact_match", "reward_model"] = opt("gsm8k_exact_match",
+        "how a completion is scored: rewards.make_scorer (README \"Rewards\")")
+    model_path: str = opt("", "HF sequence-classification checkpoint, num_labels=1 (kind=reward_model)")
+    batch_size: int = opt(16, "kind=reward_model: texts per RM forward pass")
+    max_length: int = opt(1024, "kind=reward_model: prompt + completion tokens kept (cut on the left)")
+    dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "kind=reward_model: RM weights")
+    device: str = opt("cpu",
+        "kind=reward_model: where the RM process runs, \"cpu\" or \"cuda:N\" (a CUDA index as learner rank 0,"
+        " which starts it, sees it; not one of the replicas' GPUs: README \"Rewards\")")
+    timeout_s: float = opt(30.0, "exact match: per sample; reward_model: per forward pass of batch_size texts")
+    on_error: Literal["drop", "stop"] = opt("drop", "a failed sample is dropped (counted) or stops the run")
 
 
 @dataclass
 class PlacementConfig:
     """Where learner ranks and replicas run; see megatron_async/placement.py and README "Multi-node"."""
 
-    nnodes: int = 1  # nodes in the job (torchrun --nnodes); learner ranks run on every node
-    # node rank hosting the vLLM replicas. Without a dedicated replica node only 0: they are then
-    # subprocesses of global rank 0, which a static torchrun rendezvous (--node-rank) puts on node 0.
-    replica_node: int = 0
-    # the replica node runs no learner ranks: `megatron-async serve-replicas` starts its replicas and
-    # learner rank 0's pool drives it over TCP (needs rollout.token); torchrun spans nnodes - 1 nodes
-    dedicated_replica_node: bool = False
-    replica_server_port: int = 29510  # serve-replicas listens on rollout.host:this (dedicated node)
-    gpus_per_node: int = 0  # GPUs per node; 0 = detect at launch. Ignored without CUDA.
-    # CUDA ids of the learner ranks on each node (local rank i -> learner_gpus[i]); "auto" = every
-    # GPU of the node that is not a replica GPU (so the replica node may run fewer learner ranks)
-    learner_gpus: list | str = "auto"
-    # CUDA ids for the replicas on the replica node, rollout.replica_tp consecutive ids per replica;
-    # "auto" = the node's last num_replicas x replica_tp GPUs
-    replica_gpus: list | str = "auto"
+    nnodes: int = opt(1, "nodes in the job (torchrun --nnodes); learner ranks run on every node")
+    replica_node: int = opt(0,
+        "node rank hosting the vLLM replicas. Without a dedicated replica node only 0: they are then "
+        "subprocesses of global rank 0, which a static torchrun rendezvous (--node-rank) puts on node 0.")
+    dedicated_replica_node: bool = opt(False,
+        "the replica node runs no learner ranks: `megatron-async serve-replicas` starts its replicas and "
+        "learner rank 0's pool drives it over TCP (needs rollout.token); torchrun spans nnodes - 1 nodes")
+    replica_server_port: int = opt(29510, "serve-replicas listens on rollout.host:this (dedicated node)")
+    gpus_per_node: int = opt(0, "GPUs per node; 0 = detect at launch. Ignored without CUDA.")
+    learner_gpus: list | str = opt("auto",
+        "CUDA ids of the learner ranks on each node (local rank i -> learner_gpus[i]); \"auto\" = every GPU "
+        "of the node that is not a replica GPU (so the replica node may run fewer learner ranks)")
+    replica_gpus: list | str = opt("auto",
+        "CUDA ids for the replicas on the replica node, rollout.replica_tp consecutive ids per replica; "
+        "\"auto\" = the node's last num_replicas x replica_tp GPUs")
 
 
 @dataclass
 class TrackingConfig:
-    # MLflow tracking URI; empty = embedded SQLite store at <run dir>/mlflow.db
-    uri: str = ""
-    experiment: str = "megatron_async"
-    enabled: bool = True
-    flush_timeout_s: float = 5.0  # per attempt to deliver buffered metrics to the server
+    uri: str = opt("", "MLflow tracking URI; empty = embedded SQLite store at <run dir>/mlflow.db")
+    experiment: str = opt("megatron_async", "MLflow experiment name")
+    enabled: bool = opt(True, "log to MLflow (false: metrics only in history.json and the log)")
+    flush_timeout_s: float = opt(5.0, "per attempt to deliver buffered metrics to the server")
 
 
 @dataclass
@@ -371,7 +383,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(r.kv_cache_gib > 0, "rollout.kv_cache_gib", r.kv_cache_gib, "vLLM on CPU needs a KV cache size > 0")
     _require(r.sync_bucket_mb >= 1, "rollout.sync_bucket_mb", r.sync_bucket_mb, "must be >= 1")
     if r.weight_transport == "shm":
-        _require(r.host in ("127.0.0.1", "localhost") and not cfg.placement.dedicated_replica_node,
+        _require(r.host in LOOPBACK_HOSTS and not cfg.placement.dedicated_replica_node,
                  "rollout.weight_transport", r.weight_transport,
                  f"shared memory needs the replicas on the learner's host (rollout.host={r.host!r}, "
                  f"placement.dedicated_replica_node={cfg.placement.dedicated_replica_node}): use auto or socket")
@@ -379,7 +391,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
              f"must divide rollout.prompts_per_step ({r.prompts_per_step})")
     _require(r.base_port == 0 or 1024 <= r.base_port <= 65535 - r.num_replicas, "rollout.base_port", r.base_port,
              f"must be 0 (free ports) or in [1024, {65535 - r.num_replicas}] (replica i binds base_port + i)")
-    if r.host not in ("127.0.0.1", "localhost", "::1"):
+    if r.host not in LOOPBACK_HOSTS:
         _require(bool(r.token), "rollout.token", "", f"rollout.host={r.host!r} is not loopback: set a token")
     if cfg.reward.kind == "reward_model":
         _require(bool(cfg.reward.model_path), "reward.model_path", "", "reward.kind=reward_model needs a checkpoint")
@@ -420,7 +432,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if world:
         _require(world % (par.tp * par.pp) == 0, "parallel.world_size", world,
                  f"must be a multiple of tp x pp = {par.tp} x {par.pp} = {par.tp * par.pp}")
-    from megatron_async import placement  # it imports this module: import here, not at the top
+    from megatron_async.cluster import placement  # it imports this module: import here, not at the top
 
     placement.check_static(cfg)
     if cfg.placement.gpus_per_node:  # known before launch: the whole GPU layout must fit
@@ -428,7 +440,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
 
 
 def _validate_cpu_lists(learner_cpus: str, replica_cpus: str) -> None:
-    from megatron_async.cpu_affinity import available_cpus, format_cpu_list, parse_cpu_list
+    from megatron_async.cluster.cpu_affinity import available_cpus, format_cpu_list, parse_cpu_list
 
     have = available_cpus()
     for key, text in (("parallel.learner_cpus", learner_cpus), ("rollout.replica_cpus", replica_cpus)):

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from megatron_async import algorithms
-from megatron_async.batching import Sample
-from megatron_async.losses import dpo_loss, sequence_logprobs
+from megatron_async.algorithms.batching import Sample
+from megatron_async.algorithms.losses import dpo_loss, sequence_logprobs
 
 
 def sample(prompt, reward, n_completion=3, lp=-1.0):
@@ -103,7 +103,7 @@ def test_ppo_rewards_gae_and_whitening_match_hand_computation():
 
 
 def test_ppo_loss_fns_use_old_logprobs_values_and_real_rows_only():
-    from megatron_async.losses import ppo_policy_loss, ppo_value_loss
+    from megatron_async.algorithms.losses import ppo_policy_loss, ppo_value_loss
 
     mb = ppo_microbatch()
     algorithms.add_ppo_advantages([mb], kl_coef=0.2, gamma=0.9, lam=0.5)

@@ -86,7 +86,7 @@ def test_ppo_value_model_starts_from_the_reward_model(tiny_ckpts, tiny_rm, tmp_p
 
 
 def test_ppo_refuses_a_reward_model_it_cannot_start_the_value_model_from(tiny_ckpts, tiny_rm, tmp_path):
-    from megatron_async.trainer import build_learner
+    from megatron_async.run.trainer import build_learner
 
     ppo = ["trainer.algorithm=ppo", "reward.kind=reward_model"]
     with pytest.raises(ConfigError, match=r"'reward.model_path'.*num_key_value_heads=1"):  # the RM's 1 KV head

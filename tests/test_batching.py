@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_async.batching import (
+from megatron_async.algorithms.batching import (
     Sample,
     build_dpo_pairs,
     collate,
@@ -13,7 +13,7 @@ from megatron_async.batching import (
     group_samples,
     select_best_of_k,
 )
-from megatron_async.losses import sequence_logprobs
+from megatron_async.algorithms.losses import sequence_logprobs
 
 
 def make(prompt_index, reward, completion=(7, 8), prompt=(1, 2, 3), version=0):

@@ -4,10 +4,10 @@ import os
 
 import pytest
 
-from megatron_async import bench_report as report
-from megatron_async.bench import pin_overrides, sweep_plan
+from megatron_async.bench import report
+from megatron_async.bench.commands import pin_overrides, sweep_plan
 from megatron_async.config import ConfigError, load_config
-from megatron_async.cpu_affinity import format_cpu_list, parse_cpu_list, rank_cpus, replica_pin_env
+from megatron_async.cluster.cpu_affinity import format_cpu_list, parse_cpu_list, rank_cpus, replica_pin_env
 
 
 def history(gen, train, sync, idle, wall, replica_idle_cumulative=None, reward=0.5, kl=0.1):
@@ -151,7 +151,7 @@ def test_write_sweep_writes_csv_json_and_png_with_failed_rows(tmp_path):
     import csv
     import json
 
-    from megatron_async.bench import write_sweep
+    from megatron_async.bench.commands import write_sweep
 
     rows = [{"algorithm": "ppo", "knob": "N", "value": 1, "status": "failed: train exited 1"},
             {"algorithm": "online_dpo", "knob": "N", "value": 1, "status": "ok", "final_reward": 0.1, "final_kl": 0.01},

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_async import convert
+from megatron_async.learner import convert
 from megatron_async.learner.model import read_arch
-from megatron_async.weights.mapping import expected_hf_shapes, validate_hf_checkpoint
+from megatron_async.learner.mapping import expected_hf_shapes, validate_hf_checkpoint
 from tests.dist import REPO, run_worker
 
 
@@ -23,7 +23,7 @@ def test_hf_to_megatron_tp2pp2_to_hf_is_bit_exact(tiny_ckpts, tmp_path):
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert manifest["saved_with"] == {"tp": 2, "pp": 2, "dp": 1}
     assert not (tmp_path / "megatron.tmp").exists()
-    subprocess.run([sys.executable, "-m", "megatron_async.convert", "megatron-to-hf", str(ckpt), str(back)],
+    subprocess.run([sys.executable, "-m", "megatron_async.learner.convert", "megatron-to-hf", str(ckpt), str(back)],
                    cwd=REPO, check=True, capture_output=True, timeout=180)
 
     a, b = load_file(str(src / "model.safetensors")), load_file(str(back / "model.safetensors"))

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from megatron_async.losses import (
+from megatron_async.algorithms.losses import (
     best_of_k_sft_loss,
     dpo_loss,
     gae,

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from megatron_async.config import ConfigError, load_config
-from megatron_async.placement import check_fit, node_layout
+from megatron_async.cluster.placement import check_fit, node_layout
 from tests.e2e_utils import RLOO, assert_one_step_off_policy
 from tests.e2e_utils import SMALL as E2E_SMALL
 

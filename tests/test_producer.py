@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from megatron_async.producer import RolloutBatch, RolloutProducer
+from megatron_async.rollout.producer import RolloutBatch, RolloutProducer
 
 
 class Recorder:

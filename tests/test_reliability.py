@@ -31,7 +31,7 @@ def test_tokenizer_that_does_not_fit_the_model_is_refused(tiny_ckpts, tmp_path):
     import json
     import shutil
 
-    from megatron_async.trainer import load_tokenizer
+    from megatron_async.models.base_model import load_tokenizer
 
     bad = tmp_path / "bad"
     shutil.copytree(tiny_ckpts["gqa"], bad)

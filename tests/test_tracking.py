@@ -4,7 +4,7 @@ import logging
 import pytest
 from mlflow.tracking import MlflowClient
 
-from megatron_async.tracking import PENDING_FILE, MlflowTracker
+from megatron_async.observability.tracking import PENDING_FILE, MlflowTracker
 from tests.mlflow_server import MlflowServer
 
 
@@ -40,7 +40,7 @@ def test_server_outage_loses_nothing(tmp_path, caplog):
         assert t.flush(30)
 
         server.stop()  # the server dies mid-run; training goes on
-        with caplog.at_level(logging.WARNING, logger="megatron_async.tracking"):
+        with caplog.at_level(logging.WARNING, logger="megatron_async.observability.tracking"):
             for step in range(5, 10):
                 t.log_metrics({"loss": float(step)}, step)
             assert not t.flush(3)  # nothing can be delivered while it is down

@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_async.bench import main  # noqa: E402
+from megatron_async.bench.commands import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["sweep", *sys.argv[1:]]))

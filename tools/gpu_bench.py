@@ -72,12 +72,14 @@ def build(out: Path) -> dict:
 def micro(args) -> dict:
     import torch
 
-    from megatron_async import algorithms, batching
+    from megatron_async import algorithms
+
+    from megatron_async.algorithms import batching
     from megatron_async.learner.model import build_model
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
     from megatron_async.learner.parallel import init_parallel
     from megatron_async.rollout import ReplicaPool, ReplicaSpec, Sampling
-    from megatron_async.weights.mapping import iter_hf_weights, load_hf_weights
+    from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
     from megatron_async.weights.sync import WeightSender
 
     cuda = torch.cuda.is_available()
@@ -116,7 +118,7 @@ def micro(args) -> dict:
 
     spec = ReplicaSpec(model=str(model_dir), dtype="bfloat16" if cuda else "float32", max_model_len=1024,
                        kv_cache_bytes=(16 << 30) if cuda else (256 << 20), seed=0)
-    from megatron_async.trainer import replica_env
+    from megatron_async.rollout.build import replica_env
 
     with ReplicaPool(spec, 1, log_dir=Path(args.out) / "replica_logs", env=replica_env(),
                      start_timeout_s=240) as pool:

@@ -1,15 +1,16 @@
 """Prompt data: GSM8k-style problems (files, `datasets`, synthetic), templates, tokenization,
 and the resumable prompt iterator."""
 from megatron_async.data.iterator import PromptIterator
+from megatron_async.data.problem import Problem
 from megatron_async.data.prompts import (
     DEFAULT_TEMPLATE,
     DataError,
-    Problem,
     TokenizedPrompt,
     format_prompt,
     load_file,
     load_hf_dataset,
     load_problems,
+    load_prompts,
     tokenize_prompts,
 )
 from megatron_async.data.synthetic import synthetic_problems
@@ -24,6 +25,7 @@ __all__ = [
     "load_file",
     "load_hf_dataset",
     "load_problems",
+    "load_prompts",
     "synthetic_problems",
     "tokenize_prompts",
 ]

@@ -14,24 +14,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, get_args
 
+from megatron_async.config import Config, OnLongPrompt
+from megatron_async.data.problem import Problem
+from megatron_async.data.synthetic import synthetic_problems
 from megatron_async.rewards.gsm8k import extract_answer
 
 DEFAULT_TEMPLATE = "Question: {question}\nAnswer:"
-ON_LONG_PROMPT = ("error", "drop")
 
 
 class DataError(ValueError):
     """Bad input data; the message names the file (or dataset) and the line, row or field."""
-
-
-@dataclass(frozen=True)
-class Problem:
-    id: str  # stable across runs: "<file stem>:<line>", the record's own id, or a synthetic id
-    question: str
-    solution: str | None  # the reference answer as given (worked solution or bare number); None = no answer_key
-    answer: str | None  # its final number, normalised ("1234"): what gsm8k_reward compares against
 
 
 @dataclass(frozen=True)
@@ -138,8 +132,6 @@ def load_problems(source: str, split: str = "train", synthetic_size: int = 1000,
     name the record fields of files and `datasets` (answer_key None: prompts only).
     """
     if source == "synthetic":
-        from megatron_async.data.synthetic import synthetic_problems
-
         return synthetic_problems(synthetic_size, seed=seed, split=split)
     if source.endswith((".jsonl", ".json", ".parquet")) or Path(source).is_file():
         return load_file(source, question_key, answer_key)
@@ -167,8 +159,8 @@ def tokenize_prompts(
     same ids vLLM would produce from the text. A prompt over `max_prompt_tokens` raises (naming the
     problem and its length) under on_long_prompt="error", or is dropped and counted under "drop".
     """
-    if on_long_prompt not in ON_LONG_PROMPT:
-        raise ValueError(f"on_long_prompt must be one of {ON_LONG_PROMPT}, got {on_long_prompt!r}")
+    if on_long_prompt not in get_args(OnLongPrompt):
+        raise ValueError(f"on_long_prompt must be one of {get_args(OnLongPrompt)}, got {on_long_prompt!r}")
     out, dropped = [], 0
     for problem in problems:
         text = format_prompt(problem, template)
@@ -185,3 +177,14 @@ def tokenize_prompts(
     if not out:
         raise DataError(f"all {len(problems)} prompts are over data.max_prompt_tokens={max_prompt_tokens}")
     return out, dropped
+
+
+def load_prompts(cfg: Config, tokenizer, source: str, split: str, size: int) -> tuple[list[TokenizedPrompt], int]:
+    """The run's prompts from `source` (data.train / data.eval) under the config's keys and template:
+    the first `size` problems (0 = all; the synthetic set is then 1000), tokenized -> (prompts, dropped)."""
+    d = cfg.data
+    problems = load_problems(source, split, synthetic_size=size or 1000, seed=cfg.run.seed,
+                             question_key=d.question_key, answer_key=d.answer_key)
+    if size:
+        problems = problems[:size]
+    return tokenize_prompts(problems, tokenizer, d.max_prompt_tokens, d.prompt_template, d.on_long_prompt)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import random
 
-from megatron_async.data.prompts import Problem
+from megatron_async.data.problem import Problem
 
 SPLITS = ("train", "test")
 TEST_FRACTION = 5  # 1 in 5 calculations belongs to "test"

@@ -51,7 +51,7 @@ class ValueHead(torch.nn.Module):
 def build_value_model(hf_dir, from_reward_model: bool = False) -> list:
     """This rank's value-model chunks: the trunk of the HF checkpoint `hf_dir` and a `ValueHead` on
     the last stage, zero, or with `from_reward_model` (a one-label sequence classifier) its `score.weight`."""
-    from megatron_async.weights.mapping import load_hf_weights
+    from megatron_async.learner.mapping import load_hf_weights
 
     chunks = build_model(hf_dir)
     if not from_reward_model:

@@ -120,9 +120,9 @@ class ReplicaHost:
 def main(cfg, wait_s: float) -> int:
     """`megatron-async serve-replicas`: serve this node's replicas until the learner's session ends."""
     from megatron_async.config import ConfigError
-    from megatron_async.cpu_affinity import replica_pin_env
-    from megatron_async.placement import check_replica_host, replica_devices
-    from megatron_async.trainer import replica_env
+    from megatron_async.cluster.cpu_affinity import replica_pin_env
+    from megatron_async.cluster.placement import check_replica_host, replica_devices
+    from megatron_async.rollout.build import replica_env
 
     try:
         check_replica_host(cfg)

@@ -47,7 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from megatron_async.rollout.replica import LOOPBACK, ReplicaClient, ReplicaError, ReplicaSpec, Sampling, launch_config
+from megatron_async.config import LOOPBACK_HOSTS
+from megatron_async.rollout.replica import ReplicaClient, ReplicaError, ReplicaSpec, Sampling, launch_config
 
 
 TORCHRUN_VARS = {
@@ -235,7 +236,7 @@ class ReplicaPool:
     ):
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-        if host not in LOOPBACK and not authkey:
+        if host not in LOOPBACK_HOSTS and not authkey:
             raise ValueError(f"refusing to bind replicas to non-loopback host {host!r} without an explicit authkey (rollout.token)")
         if devices is not None and len(devices) != num_replicas:
             raise ValueError(f"devices has {len(devices)} entries for {num_replicas} replicas")

@@ -40,7 +40,6 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 
 EXTENSION = "megatron_async.rollout.worker_extension.WeightUpdateExtension"
-LOOPBACK = ("127.0.0.1", "localhost")
 STALL_TIMEOUT_S = 60.0  # server side: a peer that stops mid-message for this long is dropped
 
 
@@ -400,7 +399,7 @@ def _watch_parent(parent_pid: int) -> None:
 
 def main() -> None:
     """Entry point: read the launch config from stdin, build the engine, serve until shutdown."""
-    from megatron_async.cpu_affinity import pin_replica_from_env
+    from megatron_async.cluster.cpu_affinity import pin_replica_from_env
 
     pin_replica_from_env()  # rollout.replica_cpus: before any thread starts (threads inherit it)
     launch = json.loads(sys.stdin.read())

@@ -42,19 +42,17 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence, get_args
 
 import torch
 
-from megatron_async.rollout.replica import LOOPBACK, ReplicaClient, ReplicaError
+from megatron_async.config import LOOPBACK_HOSTS, WeightTransport
+from megatron_async.rollout.replica import ReplicaClient, ReplicaError
 from megatron_async.weights.buckets import device_checksum, group_by_cap, iter_buckets
 from megatron_async.weights.shm import HEADER_SLACK, ShmSegment
 from megatron_async.weights.shm import free_bytes as shm_free_bytes
 
 log = logging.getLogger(__name__)
-
-TRANSPORTS = ("auto", "socket", "shm", "nccl")
-
 
 class WeightSyncError(RuntimeError):
     """A weight sync to a replica failed or timed out."""
@@ -62,11 +60,11 @@ class WeightSyncError(RuntimeError):
 
 def transport_for(transport: str, host: str) -> str:
     """The transport used for one replica: `auto` is shm for a loopback address, else socket."""
-    if transport not in TRANSPORTS:
-        raise ValueError(f"rollout.weight_transport={transport!r}: expected one of {', '.join(TRANSPORTS)}")
+    if transport not in get_args(WeightTransport):
+        raise ValueError(f"rollout.weight_transport={transport!r}: expected one of {', '.join(get_args(WeightTransport))}")
     if transport == "auto":
-        return "shm" if host in LOOPBACK else "socket"
-    if transport == "shm" and host not in LOOPBACK:
+        return "shm" if host in LOOPBACK_HOSTS else "socket"
+    if transport == "shm" and host not in LOOPBACK_HOSTS:
         raise ValueError(f"rollout.weight_transport=shm needs replicas on this host; replica at {host} is not "
                          f"loopback (use auto or socket)")
     return transport

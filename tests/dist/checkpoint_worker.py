@@ -23,7 +23,7 @@ SETTINGS = dict(lr=1e-3, min_lr=1e-4, warmup_steps=2, decay_steps=10, decay_styl
 def setup(hf_dir):
     from megatron_async.learner.model import build_model
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer
-    from megatron_async.weights.mapping import load_hf_weights
+    from megatron_async.learner.mapping import load_hf_weights
 
     chunks = build_model(hf_dir)
     load_hf_weights(chunks, hf_dir)
@@ -32,7 +32,7 @@ def setup(hf_dir):
 
 def second_step(ddp, opt, sched, vocab, out: Path):
     from megatron_async.learner.optimizer import train_step
-    from megatron_async.weights.mapping import iter_hf_weights
+    from megatron_async.learner.mapping import iter_hf_weights
 
     metrics = train_step(ddp, opt, sched, batches(vocab, seed=1), nll)
     weights = {k: v.clone() for k, v in iter_hf_weights(ddp)}

@@ -13,12 +13,12 @@ import torch
 
 if __name__ == "__main__":
     from megatron_async import algorithms
-    from megatron_async.batching import Sample
+    from megatron_async.algorithms.batching import Sample
     from megatron_async.learner.logprobs import compute_logprobs
     from megatron_async.learner.model import build_model
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
     from megatron_async.learner.parallel import init_parallel
-    from megatron_async.weights.mapping import load_hf_weights
+    from megatron_async.learner.mapping import load_hf_weights
 
     model_dir, out = sys.argv[1], sys.argv[2]
     init_parallel(1, 1, seed=0)

@@ -22,7 +22,7 @@ def parity(src: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     from megatron_async.learner.model import build_model
-    from megatron_async.weights.mapping import iter_hf_weights, load_hf_weights
+    from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -45,7 +45,7 @@ def parity(src: Path) -> dict:
 def train(src: Path) -> dict:
     from megatron_async.learner.model import build_model
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
-    from megatron_async.weights.mapping import load_hf_weights
+    from megatron_async.learner.mapping import load_hf_weights
 
     chunks = build_model(src)  # bf16 on GPU
     load_hf_weights(chunks, src)

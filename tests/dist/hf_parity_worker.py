@@ -24,7 +24,7 @@ def compare(src: Path) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatron_async.learner.model import build_model
-    from megatron_async.weights.mapping import load_hf_weights
+    from megatron_async.learner.mapping import load_hf_weights
 
     chunks = build_model(src)
     load_hf_weights(chunks, src)

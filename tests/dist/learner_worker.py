@@ -52,7 +52,7 @@ def run_model(src: Path, out: Path, tp: int):
     from megatron_async.learner.logprobs import compute_logprobs
     from megatron_async.learner.model import build_model
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
-    from megatron_async.weights.mapping import iter_hf_weights, load_hf_weights
+    from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
 
     name = src.name
     chunks = build_model(src)

@@ -27,15 +27,15 @@ if __name__ == "__main__":
     a = p.parse_args()
     torch.set_num_threads(1)
     from megatron_async import algorithms
-    from megatron_async.batching import Sample
-    from megatron_async.checkpointing import load_run_checkpoint, save_run_checkpoint
+    from megatron_async.algorithms.batching import Sample
+    from megatron_async.run.checkpoint import load_run_checkpoint, save_run_checkpoint
     from megatron_async.config import load_config
     from megatron_async.learner.logprobs import compute_logprobs
     from megatron_async.learner.parallel import destroy_parallel, init_parallel
-    from megatron_async.losses import sequence_logprobs
-    from megatron_async.producer import RolloutBatch
+    from megatron_async.algorithms.losses import sequence_logprobs
+    from megatron_async.rollout.producer import RolloutBatch
     from megatron_async.rollout.pool import Completion
-    from megatron_async.trainer import Trainer, build_learner
+    from megatron_async.run.trainer import Trainer, build_learner
 
     # gamma = lam = 1: the returns are the rewards-to-go, fixed targets for the value model
     cfg = load_config(None, [f"run.out_dir={Path(a.out).parent}", f"run.name=tp{a.tp}pp{a.pp}",

@@ -45,7 +45,7 @@ def run_layout(model_dir: Path, tp: int, pp: int, pool, addresses, authkey, firs
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
     from megatron_async.learner.parallel import init_parallel
     from megatron_async.rollout import Sampling
-    from megatron_async.weights.mapping import iter_hf_weights, load_hf_weights
+    from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
     from megatron_async.weights.sync import WeightSender
 
     init_parallel(tp, pp)

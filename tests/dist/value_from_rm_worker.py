@@ -22,7 +22,7 @@ if __name__ == "__main__":
     from megatron_async.config import load_config
     from megatron_async.learner.logprobs import compute_values
     from megatron_async.learner.parallel import destroy_parallel, init_parallel
-    from megatron_async.trainer import build_learner
+    from megatron_async.run.trainer import build_learner
 
     cfg = load_config(None, [f"model.hf_path={policy_dir}", "trainer.algorithm=ppo", "reward.kind=reward_model",
                              f"reward.model_path={rm_dir}"])

@@ -1,7 +1,7 @@
 """HF <-> Megatron checkpoint conversion (both directions go through `weights.mapping`).
 
-    python -m megatron_async.convert hf-to-megatron HF_DIR CKPT_DIR --tp 2 --pp 2
-    python -m megatron_async.convert megatron-to-hf CKPT_DIR HF_DIR [--tokenizer DIR] [--tp N --pp M]
+    python -m megatron_async.learner.convert hf-to-megatron HF_DIR CKPT_DIR --tp 2 --pp 2
+    python -m megatron_async.learner.convert megatron-to-hf CKPT_DIR HF_DIR [--tokenizer DIR] [--tp N --pp M]
 
 The Megatron side is a `learner.checkpoint` directory (dist_checkpointing, model only), which
 loads at any TP x PP; the HF side is safetensors + config.json + tokenizer files that transformers
@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from megatron_async.weights.hf_export import export_hf, hf_side_files
+from megatron_async.learner.hf_export import export_hf, hf_side_files
 
 
 def hf_to_megatron(src: Path, dst: Path) -> None:
     """(Under init_parallel.) Load the HF checkpoint into this layout and save it as a learner checkpoint."""
     from megatron_async.learner.checkpoint import save_checkpoint
     from megatron_async.learner.model import build_model
-    from megatron_async.weights.mapping import load_hf_weights
+    from megatron_async.learner.mapping import load_hf_weights
 
     chunks = build_model(src)
     load_hf_weights(chunks, src)
@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
     world = args.tp * args.pp
     if world > 1 and "LOCAL_RANK" not in os.environ:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-               f"--master-port={free_port()}", "-m", "megatron_async.convert", *argv]
+               f"--master-port={free_port()}", "-m", "megatron_async.learner.convert", *argv]
         return subprocess.call(cmd)
 
     from megatron_async.learner.parallel import destroy_parallel, init_parallel

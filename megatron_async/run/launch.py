@@ -21,7 +21,7 @@ def main(cfg, config_path: str, overrides: list[str], nproc: int | None = None) 
         import torch
 
         if torch.cuda.is_available():  # one GPU node: a learner rank per learner GPU (placement.*)
-            from megatron_async.placement import nproc_per_node
+            from megatron_async.cluster.placement import nproc_per_node
 
             ranks = nproc_per_node(cfg, 0, torch.cuda.device_count())
     if ranks > 1 and "LOCAL_RANK" not in os.environ:
@@ -36,8 +36,8 @@ def main(cfg, config_path: str, overrides: list[str], nproc: int | None = None) 
 
     from megatron_async.config import ConfigError, validate
     from megatron_async.learner.parallel import destroy_parallel
-    from megatron_async.placement import check_runtime as check_placement
-    from megatron_async.trainer import Trainer
+    from megatron_async.cluster.placement import check_runtime as check_placement
+    from megatron_async.run.trainer import Trainer
 
     try:
         validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
@@ -45,7 +45,7 @@ def main(cfg, config_path: str, overrides: list[str], nproc: int | None = None) 
     except ConfigError as e:
         print(f"megatron-async: config error: {e}", file=sys.stderr)
         return 2
-    from megatron_async.cpu_affinity import pin_learner
+    from megatron_async.cluster.cpu_affinity import pin_learner
 
     pin_learner(cfg.parallel.learner_cpus)  # before any torch thread pool exists; replicas re-pin
     trainer = None

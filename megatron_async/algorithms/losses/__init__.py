@@ -3,11 +3,11 @@
 Each returns (loss, metrics) where metrics are detached 0-dim tensors; no collectives, no
 knowledge of processes, Megatron or vLLM.
 """
-from megatron_async.losses.common import masked_mean, masked_sum, sequence_kl, sequence_logprobs
-from megatron_async.losses.dpo import dpo_loss
-from megatron_async.losses.ppo import gae, kl_penalized_rewards, masked_whiten, ppo_policy_loss, ppo_value_loss
-from megatron_async.losses.rloo import proximal_rloo_loss, rloo_advantages, rloo_loss
-from megatron_async.losses.sft import best_of_k_sft_loss
+from megatron_async.algorithms.losses.common import masked_mean, masked_sum, sequence_kl, sequence_logprobs
+from megatron_async.algorithms.losses.dpo import dpo_loss
+from megatron_async.algorithms.losses.ppo import gae, kl_penalized_rewards, masked_whiten, ppo_policy_loss, ppo_value_loss
+from megatron_async.algorithms.losses.rloo import proximal_rloo_loss, rloo_advantages, rloo_loss
+from megatron_async.algorithms.losses.sft import best_of_k_sft_loss
 
 __all__ = [
     "best_of_k_sft_loss",

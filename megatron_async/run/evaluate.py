@@ -16,6 +16,14 @@ import logging
 import sys
 from pathlib import Path
 
+from megatron_async.data import load_prompts
+from megatron_async.io_utils import atomic_write_text
+from megatron_async.models.base_model import load_tokenizer
+from megatron_async.rewards import make_scorer
+from megatron_async.rollout.build import replica_env, replica_spec
+from megatron_async.rollout.pool import ReplicaPool
+from megatron_async.rollout.replica import Sampling
+
 log = logging.getLogger(__name__)
 
 
@@ -29,8 +37,6 @@ def greedy_eval(pool, tokenizer, prompts, scorer, reward_kind: str, max_new_toke
     Returns {"metric": name, name: mean reward, "n", "scored", "errors", "timeouts", "results"};
     under on_error="stop" a sample that cannot be scored raises instead.
     """
-    from megatron_async.rollout.replica import Sampling
-
     sampling = Sampling(n=1, temperature=0.0, max_tokens=max_new_tokens, stop=tuple(stop), logprobs=False)
     records = pool.generate([p.ids for p in prompts], sampling)
     texts = [tokenizer.decode(rec.token_ids, skip_special_tokens=True) for rec in records]
@@ -45,17 +51,12 @@ def greedy_eval(pool, tokenizer, prompts, scorer, reward_kind: str, max_new_toke
 
 
 def main(cfg, checkpoint: str | None = None, data: str | None = None, output: str | None = None) -> int:
-    from megatron_async.io_utils import atomic_write_text
-    from megatron_async.rewards import make_scorer
-    from megatron_async.rollout.pool import ReplicaPool
-    from megatron_async.trainer import load_tokenizer, replica_env, replica_spec, tokenized_problems
-
     model = Path(checkpoint or cfg.model.hf_path)
     if not (model / "config.json").exists():
         print(f"megatron-async eval: {model} is not an HF checkpoint folder (no config.json)", file=sys.stderr)
         return 2
     tokenizer = load_tokenizer(model)
-    prompts, dropped = tokenized_problems(cfg, tokenizer, data or cfg.data.eval, "test", cfg.data.eval_size)
+    prompts, dropped = load_prompts(cfg, tokenizer, data or cfg.data.eval, "test", cfg.data.eval_size)
     r = cfg.rollout
     scorer = make_scorer(cfg.reward)
     try:

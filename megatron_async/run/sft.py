@@ -14,7 +14,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from megatron_async import algorithms, batching
+from megatron_async import algorithms
+
+from megatron_async.algorithms import batching
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +32,12 @@ def sft_rows(prompts, tokenizer) -> list[batching.Sample]:
 
 
 def run_sft(cfg, base: Path, tokenizer, layout, tracker) -> Path:
-    from megatron_async.weights.hf_export import export_hf
+    from megatron_async.learner.hf_export import export_hf
     from megatron_async.data.iterator import PromptIterator
     from megatron_async.learner.model import build_model
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
-    from megatron_async.trainer import tokenized_problems
-    from megatron_async.weights.mapping import load_hf_weights
+    from megatron_async.data import load_prompts
+    from megatron_async.learner.mapping import load_hf_weights
 
     out = cfg.run_dir / "sft_model"
     if (out / "config.json").exists():
@@ -47,7 +49,7 @@ def run_sft(cfg, base: Path, tokenizer, layout, tracker) -> Path:
     settings = OptimSettings(lr=s.lr, min_lr=s.lr / 10, clip_grad=1.0, warmup_steps=min(20, s.steps // 10),
                              decay_steps=max(1, s.steps - min(20, s.steps // 10)), decay_style="cosine")
     policy, optimizer, scheduler = build_optimizer(chunks, settings)
-    prompts, _ = tokenized_problems(cfg, tokenizer, cfg.data.train, "train", 20000 if cfg.data.train == "synthetic" else 0)
+    prompts, _ = load_prompts(cfg, tokenizer, cfg.data.train, "train", 20000 if cfg.data.train == "synthetic" else 0)
     data = PromptIterator(prompts, seed=cfg.run.seed + 1)
     loss_fn = algorithms.make_loss_fn("best_of_k_sft", beta=0.0)
     bar = tqdm(range(s.steps), desc="SFT", disable=layout.rank != 0, mininterval=2)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_async.losses.common import masked_mean
+from megatron_async.algorithms.losses.common import masked_mean
 
 
 def best_of_k_sft_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -1,6 +1,6 @@
 """Contention between generation and training on one machine: each alone vs both together.
 
-    .venv/bin/python -m megatron_async.bench_contention MODEL_DIR --learner-cpus 0 --replica-cpus 1 \
+    .venv/bin/python -m megatron_async.bench.contention MODEL_DIR --learner-cpus 0 --replica-cpus 1 \
         --seconds 20 --out contention.json
 
 Three phases of `--seconds` each, in one process pinned like a learner (parallel.learner_cpus):
@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from megatron_async.bench_report import contention
+from megatron_async.bench.report import contention
 
 
 def _gen_loop(pool, prompts, sampling, seconds: float, out: dict) -> None:
@@ -49,9 +49,9 @@ def measure(model_dir: Path, learner_cpus: str, replica_cpus: str, seconds: floa
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatron_async.cpu_affinity import pin_learner, replica_pin_env
+    from megatron_async.cluster.cpu_affinity import pin_learner, replica_pin_env
     from megatron_async.rollout import ReplicaPool, ReplicaSpec, Sampling
-    from megatron_async.trainer import replica_env
+    from megatron_async.rollout.build import replica_env
 
     mine = pin_learner(learner_cpus)
     torch.manual_seed(0)
@@ -105,7 +105,7 @@ def run_contention(model_dir: Path, learner_cpus: str, replica_cpus: str, second
     for i, (lc, rc) in enumerate(layouts):
         out = out_dir / f"contention_{i}.json"
         print(f"contention: learner CPUs '{lc}', replica CPUs '{rc}': 3 phases x {seconds:.0f} s", flush=True)
-        cmd = [sys.executable, "-m", "megatron_async.bench_contention", str(model_dir), "--learner-cpus", lc,
+        cmd = [sys.executable, "-m", "megatron_async.bench.contention", str(model_dir), "--learner-cpus", lc,
                "--replica-cpus", rc, "--seconds", str(seconds), "--out", str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_async.losses.common import masked_mean, sequence_logprobs
+from megatron_async.algorithms.losses.common import masked_mean, sequence_logprobs
 
 
 def rloo_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:

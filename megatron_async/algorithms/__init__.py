@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_async import batching
-from megatron_async.losses import (
+from megatron_async.algorithms import batching
+from megatron_async.algorithms.losses import (
     best_of_k_sft_loss,
     dpo_loss,
     gae,

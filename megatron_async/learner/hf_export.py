@@ -32,7 +32,7 @@ def _write_stage_shards(chunks, out: Path, stage: int) -> dict[str, str]:
     """Stream this stage's HF tensors into size-capped safetensors files; returns name -> file."""
     from safetensors.torch import save_file
 
-    from megatron_async.weights.mapping import iter_hf_weights
+    from megatron_async.learner.mapping import iter_hf_weights
 
     weight_map, shard, size, k = {}, {}, 0, 0
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_async.io_utils import atomic_write_text
-from megatron_async.producer import batch_from_json, batch_to_json
+from megatron_async.rollout.producer import batch_from_json, batch_to_json
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_async import bench_report as report
+from megatron_async.bench import report
 from megatron_async.io_utils import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
@@ -182,7 +182,7 @@ def bench_async(args) -> int:
                   "per_step": report.per_step_timings(runs[(s, lag)]["history"])} for s, lag in order],
     }
     if args.contention:
-        from megatron_async.bench_contention import run_contention
+        from megatron_async.bench.contention import run_contention
 
         model = Path(cfg.model.hf_path) if cfg.model.hf_path != "tiny" else None
         result["contention"] = run_contention(model or Path(runs[order[0]]["run_dir"]) / "base_model",

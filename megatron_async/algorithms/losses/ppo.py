@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_async.losses.common import masked_mean
+from megatron_async.algorithms.losses.common import masked_mean
 
 
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
