@@ -4,7 +4,8 @@
     megatron-async train configs/cpu_tiny.yaml --resume
     megatron-async eval  configs/cpu_tiny.yaml --checkpoint runs/cpu_tiny/hf/latest
     megatron-async convert hf-to-megatron HF_DIR OUT_DIR --tp 2 --pp 2
-    megatron-async config configs/cpu_tiny.yaml trainer.lr=1e-6      # validate + print resolved
+    megatron-async config configs/cpu_tiny.yaml trainer.lr=1e-6      # check + print resolved
+    megatron-async config --explain trainer            # keys with type, default and help
     megatron-async bench async configs/cpu_tiny.yaml
     megatron-async placement cfg.yaml placement.nnodes=2 placement.gpus_per_node=8 --node-rank 1
     megatron-async serve-replicas cfg.yaml placement.dedicated_replica_node=true ...   # replica node
@@ -23,7 +24,7 @@ SUBCOMMANDS = {
     "eval": "greedy held-out evaluation through vLLM replicas: pass@1 (exact match) or mean RM score",
     "convert": "HF <-> Megatron checkpoint conversion (hf-to-megatron, megatron-to-hf)",
     "bench": "benchmarks: async vs sync speedup, off-policy sweep, rollout/sync throughput",
-    "config": "validate a config with overrides and print the resolved YAML",
+    "config": "check a config with overrides (schema + preflight) and print the resolved YAML; --explain [KEY]",
     "placement": "print one node's GPU layout as shell variables (NPROC_PER_NODE, ...) for launch/ scripts",
     "serve-replicas": "on a dedicated replica node: start its vLLM replicas for learner rank 0 (rollout/host.py)",
 }
@@ -55,7 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("convert", help=SUBCOMMANDS["convert"], description=SUBCOMMANDS["convert"], add_help=False)
     sub.add_parser("bench", help=SUBCOMMANDS["bench"], description=SUBCOMMANDS["bench"], add_help=False)
-    with_config(sub.add_parser("config", help=SUBCOMMANDS["config"], description=SUBCOMMANDS["config"]))
+    cf = sub.add_parser("config", help=SUBCOMMANDS["config"], description=SUBCOMMANDS["config"])
+    cf.add_argument("config", nargs="?", help="YAML run config (see configs/)")
+    cf.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. trainer.lr=1e-6")
+    cf.add_argument("--explain", nargs="?", const="", metavar="KEY",
+                    help="print every key (or a section's, or one) with its type, default and help, and exit")
     pl = with_config(sub.add_parser("placement", help=SUBCOMMANDS["placement"], description=SUBCOMMANDS["placement"]))
     pl.add_argument("--node-rank", type=int, required=True, help="this node's rank in the job (0..placement.nnodes-1)")
     sr = with_config(sub.add_parser("serve-replicas", help=SUBCOMMANDS["serve-replicas"],
@@ -101,28 +106,26 @@ def main(argv: list[str] | None = None) -> int:
             break
     args = parse_args(argv)
 
-    from megatron_async.config import ConfigError, load_config
+    from megatron_async.config import ConfigError, explain, load_config, to_yaml
     from megatron_async.observability.logs import setup_logging
 
     setup_logging(args.log_level)
     try:
+        if args.command == "config" and args.explain is not None:
+            print(explain(args.explain))
+            return 0
+        if args.config is None:
+            raise ConfigError("no config file given (megatron-async config CFG [overrides], or --explain [KEY])")
         cfg = load_config(args.config, args.overrides)
         if args.command == "train" and args.resume:
             cfg.run.resume = True
+        if args.command == "config":
+            _load("megatron_async.run.preflight", "config").preflight(cfg)
+            print(to_yaml(cfg), end="")
+            return 0
     except ConfigError as e:
         print(f"megatron-async: config error: {e}", file=sys.stderr)
         return 2
-    if args.command == "config":
-        import yaml
-
-        from megatron_async.config import flatten
-
-        nested: dict = {}
-        for key, value in flatten(cfg).items():
-            section, leaf = key.split(".", 1)
-            nested.setdefault(section, {})[leaf] = value
-        print(yaml.safe_dump(nested, sort_keys=False), end="")
-        return 0
     if args.command == "placement":
         return _print_placement(cfg, args.node_rank)
     if args.command == "train":
@@ -137,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_placement(cfg, node_rank: int) -> int:
     """Shell assignments for one node (launch scripts `eval` them): how many learner ranks, which GPUs."""
+    from megatron_async.cluster.placement import check_fit, check_static, learner_nodes
     from megatron_async.config import ConfigError
-    from megatron_async.cluster.placement import check_fit, learner_nodes
 
     p = cfg.placement
     if not p.gpus_per_node:
@@ -148,6 +151,7 @@ def _print_placement(cfg, node_rank: int) -> int:
         print(f"megatron-async: --node-rank {node_rank} is not in [0, placement.nnodes={p.nnodes})", file=sys.stderr)
         return 2
     try:
+        check_static(cfg)
         layouts = check_fit(cfg, p.gpus_per_node, cfg.parallel.world_size or None)
     except ConfigError as e:
         print(f"megatron-async: config error: {e}", file=sys.stderr)

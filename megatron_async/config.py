@@ -1,17 +1,18 @@
-"""Typed run configuration: YAML files plus dotted command-line overrides, validated up front.
+"""Typed run configuration: the schema, YAML files plus dotted command-line overrides, validation.
 
     cfg = load_config("configs/cpu_tiny.yaml", ["trainer.lr=1e-6", "rollout.max_lag=0"])
+    megatron-async config --explain trainer.lr       # every key's type, default and help
 
-Every key is a field of a dataclass below, with its help text as the field's docstring-comment.
-Loading checks, before any process starts: unknown keys, wrong types, missing files, sizes that
-cannot work together (TP must divide attention heads and query groups, the world size must be a
-multiple of TP x PP, lag >= 0, K >= 2 for pairwise/leave-one-out losses). Each failure is one
-`ConfigError` naming the key, the value and where it came from (file or command line).
+Every key is a field of a dataclass below, declared with `opt(default, help)`. Loading checks the
+config on its own, once: unknown keys, wrong types, values out of range and settings that cannot
+work together (TP must divide the tiny model's heads and query groups, lag >= 0, K as the
+algorithm needs, ...). What needs the world (files, model architectures, data, CPUs, GPUs) is
+checked by `run.preflight` before anything starts. Each failure is one `ConfigError` naming the
+key, the value and where it came from (file or command line).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import types
@@ -22,6 +23,9 @@ from typing import Any, Callable, Literal
 
 import yaml
 
+from megatron_async.algorithms import ALGORITHMS
+from megatron_async.io_utils import atomic_write_text
+
 _FLOAT_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
@@ -31,6 +35,7 @@ TOKEN_ENV = "MEGATRON_ASYNC_ROLLOUT_TOKEN"  # rollout.token when the config leav
 # Allowed-value sets used beyond the schema, each defined once here.
 OnLongPrompt = Literal["error", "drop"]  # data.on_long_prompt
 WeightTransport = Literal["auto", "socket", "shm", "nccl"]  # rollout.weight_transport
+AlgorithmName = Literal[tuple(ALGORITHMS)]  # trainer.algorithm: the registry's names
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})  # a host only this machine reaches
 
 
@@ -129,7 +134,7 @@ class RolloutConfig:
 
 @dataclass
 class TrainerConfig:
-    algorithm: Literal["online_dpo", "ppo", "rloo", "proximal_rloo", "best_of_k_sft"] = opt("online_dpo", "")
+    algorithm: AlgorithmName = opt("online_dpo", "the RL algorithm: algorithms/ (README \"Algorithms\")")
     steps: int = opt(20, "learner steps (one generation batch each)")
     lr: float = opt(5e-5, "peak learning rate of the policy (Adam)")
     min_lr: float = opt(0.0, "learning rate at the end of the decay")
@@ -353,8 +358,10 @@ def _require(ok: bool, key: str, value: Any, why: str) -> None:
         raise ConfigError(f"key '{key}' = {value!r}: {why}")
 
 
-def validate(cfg: Config, world_size: int | None = None) -> None:
-    """Check values that each type allows but that cannot run together. Raises ConfigError."""
+def validate(cfg: Config) -> None:
+    """Check values that each type allows but that cannot run together. Raises ConfigError.
+
+    The config alone: no file, model or machine is looked at (that is `run.preflight`)."""
     r, t, par = cfg.rollout, cfg.trainer, cfg.parallel
     for key, value in [("parallel.tp", par.tp), ("parallel.pp", par.pp), ("rollout.num_replicas", r.num_replicas),
                        ("rollout.replica_tp", r.replica_tp), ("rollout.prompts_per_step", r.prompts_per_step),
@@ -367,16 +374,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _require(value >= 0, key, value, "must be >= 0")
     _require(r.max_lag >= 0, "rollout.max_lag", r.max_lag, "lag must be >= 0 (0 = synchronous)")
     _require(r.max_lag <= 64, "rollout.max_lag", r.max_lag, "lag above 64 steps is surely a mistake")
-    if t.algorithm in ("online_dpo", "rloo", "proximal_rloo", "best_of_k_sft"):
-        _require(r.k >= 2, "rollout.k", r.k, f"{t.algorithm} compares completions of a prompt: needs K >= 2")
+    for ok, key, value, why in ALGORITHMS[t.algorithm].rules(cfg):
+        _require(ok, key, value, why)
     _require(t.lr > 0, "trainer.lr", t.lr, "must be > 0")
     _require(0 <= t.min_lr <= t.lr, "trainer.min_lr", t.min_lr, "must be in [0, trainer.lr]")
-    if t.algorithm == "ppo":
-        _require(t.value_lr is None or t.value_lr > 0, "trainer.value_lr", t.value_lr, "must be > 0 (or null = trainer.lr)")
-        _require(t.vf_coef > 0, "trainer.vf_coef", t.vf_coef, "must be > 0 (the value model learns from it)")
-        _require(0 <= t.gamma <= 1, "trainer.gamma", t.gamma, "a discount must be in [0, 1]")
-        _require(0 <= t.lam <= 1, "trainer.lam", t.lam, "GAE lambda must be in [0, 1]")
-        _require(t.clip_eps > 0, "trainer.clip_eps", t.clip_eps, "must be > 0")
     _require(t.grad_clip >= 0, "trainer.grad_clip", t.grad_clip, "must be >= 0 (0 = no clipping)")
     _require(0 < r.temperature <= 10, "rollout.temperature", r.temperature, "sampling needs 0 < temperature <= 10")
     _require(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
@@ -395,84 +396,26 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _require(bool(r.token), "rollout.token", "", f"rollout.host={r.host!r} is not loopback: set a token")
     if cfg.reward.kind == "reward_model":
         _require(bool(cfg.reward.model_path), "reward.model_path", "", "reward.kind=reward_model needs a checkpoint")
-        _require_dir(cfg.reward.model_path, "reward.model_path")
         _require(cfg.reward.batch_size >= 1, "reward.batch_size", cfg.reward.batch_size, "must be >= 1")
         _require(cfg.reward.max_length >= 1, "reward.max_length", cfg.reward.max_length, "must be >= 1")
-        _require(t.algorithm != "best_of_k_sft", "trainer.algorithm", t.algorithm,
-                 "trains on completions that are an exact match (reward 1): needs reward.kind=gsm8k_exact_match")
         _require(re.fullmatch(r"cpu|cuda:\d+", cfg.reward.device) is not None, "reward.device", cfg.reward.device,
                  'must be "cpu" or "cuda:N" (a CUDA device index)')
-        if t.algorithm == "ppo":  # the value model starts from the RM (learner/value.py): it must split like the policy
-            from megatron_async.learner.model import read_arch
-
-            try:
-                read_arch(cfg.reward.model_path).check_parallel(par.tp, par.pp)
-            except (ValueError, KeyError, OSError) as e:
-                raise ConfigError(f"key 'reward.model_path' = {cfg.reward.model_path!r}: trainer.algorithm=ppo starts "
-                                  f"its value model from the reward model, which must be a LLaMA-family model that "
-                                  f"splits at parallel.tp={par.tp} x parallel.pp={par.pp}: "
-                                  f"{type(e).__name__}: {e}") from None
     if cfg.data.answer_key is None:  # prompts without a reference answer
         _require(cfg.reward.kind == "reward_model", "data.answer_key", None,
                  f"reward.kind={cfg.reward.kind} compares with the reference answer: name its field")
         _require(cfg.sft.steps == 0, "data.answer_key", None,
                  f"sft.steps={cfg.sft.steps} trains on the reference answer: name its field or set sft.steps=0")
-    for key in ("data.train", "data.eval"):
-        _require_data_source(getattr(cfg.data, key.split(".")[1]), key)
-    if cfg.model.hf_path != "tiny":
-        _require_dir(cfg.model.hf_path, "model.hf_path")
-        heads, groups = _heads_of(Path(cfg.model.hf_path) / "config.json")
-    else:
+    if cfg.model.hf_path == "tiny":  # a real checkpoint's heads are checked against its config.json in preflight
         heads, groups = cfg.model.tiny_heads, cfg.model.tiny_kv_heads
         _require(heads % groups == 0, "model.tiny_kv_heads", groups, f"must divide model.tiny_heads ({heads})")
-    _require(heads % par.tp == 0, "parallel.tp", par.tp, f"must divide the number of attention heads ({heads})")
-    _require(groups % par.tp == 0, "parallel.tp", par.tp, f"must divide the number of query groups / KV heads ({groups})")
-    _validate_cpu_lists(par.learner_cpus, r.replica_cpus)
-    world = world_size if world_size is not None else par.world_size
-    if world:
-        _require(world % (par.tp * par.pp) == 0, "parallel.world_size", world,
+        _require(heads % par.tp == 0, "parallel.tp", par.tp, f"must divide the number of attention heads ({heads})")
+        _require(groups % par.tp == 0, "parallel.tp", par.tp,
+                 f"must divide the number of query groups / KV heads ({groups})")
+        _require(cfg.model.tiny_layers % par.pp == 0, "parallel.pp", par.pp,
+                 f"must divide the number of layers (model.tiny_layers = {cfg.model.tiny_layers})")
+    if par.world_size:
+        _require(par.world_size % (par.tp * par.pp) == 0, "parallel.world_size", par.world_size,
                  f"must be a multiple of tp x pp = {par.tp} x {par.pp} = {par.tp * par.pp}")
-    from megatron_async.cluster import placement  # it imports this module: import here, not at the top
-
-    placement.check_static(cfg)
-    if cfg.placement.gpus_per_node:  # known before launch: the whole GPU layout must fit
-        placement.check_fit(cfg, cfg.placement.gpus_per_node, world or None)
-
-
-def _validate_cpu_lists(learner_cpus: str, replica_cpus: str) -> None:
-    from megatron_async.cluster.cpu_affinity import available_cpus, format_cpu_list, parse_cpu_list
-
-    have = available_cpus()
-    for key, text in (("parallel.learner_cpus", learner_cpus), ("rollout.replica_cpus", replica_cpus)):
-        try:
-            cpus = parse_cpu_list(text)
-        except ValueError as e:
-            raise ConfigError(f"key '{key}' = {text!r}: {e}") from None
-        missing = [c for c in cpus if c not in have]
-        _require(not missing, key, text, f"CPU(s) {format_cpu_list(missing)} do not exist here "
-                 f"(this machine has CPUs 0-{max(have)}; '' = no pinning)")
-
-
-def _require_dir(path: str, key: str) -> None:
-    _require(Path(path).is_dir(), key, path, "directory not found")
-
-
-def _require_data_source(value: str, key: str) -> None:
-    # a `datasets` name such as "openai/gsm8k" is not checked here (it is resolved when loaded)
-    looks_like_file = value.endswith((".jsonl", ".json", ".parquet")) or value.startswith((".", "/", "~"))
-    if value != "synthetic" and looks_like_file:
-        _require(Path(value).is_file(), key, value, "file not found")
-
-
-def _heads_of(config_json: Path) -> tuple[int, int]:
-    try:
-        hf = json.loads(config_json.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{config_json}: cannot read the model config: {e}") from None
-    if "num_attention_heads" not in hf:
-        raise ConfigError(f"{config_json}: missing key 'num_attention_heads'")
-    heads = hf["num_attention_heads"]
-    return heads, hf.get("num_key_value_heads") or heads
 
 
 # ----------------------------------------------------------------------------- saving
@@ -500,12 +443,36 @@ def flatten(cfg: Config, redact: bool = True) -> dict[str, Any]:
     return flat
 
 
-def save_config(cfg: Config, path: str | os.PathLike) -> Path:
-    """Write the resolved config as YAML (secrets redacted), atomically."""
-    from megatron_async.io_utils import atomic_write_text
-
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML, secrets redacted."""
     nested: dict = {}
     for key, value in flatten(cfg).items():
         section, leaf = key.split(".", 1)
         nested.setdefault(section, {})[leaf] = value
-    return atomic_write_text(path, yaml.safe_dump(nested, sort_keys=False))
+    return yaml.safe_dump(nested, sort_keys=False)
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> Path:
+    """Write the resolved config as YAML (secrets redacted), atomically."""
+    return atomic_write_text(path, to_yaml(cfg))
+
+
+def explain(key: str = "") -> str:
+    """Every config key under `key` ("" = all, a section such as "trainer", or one key) with its
+    type, default and help text, read from the schema."""
+    lines: list[str] = []
+
+    def walk(obj: Any, prefix: str) -> None:
+        hints = typing.get_type_hints(type(obj))
+        for f in dataclasses.fields(obj):
+            dotted, value = f"{prefix}{f.name}", getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{dotted}.")
+            elif not key or dotted == key or dotted.startswith(f"{key}."):
+                lines.append(f"{dotted} ({_type_name(hints[f.name])}, default {value!r})\n"
+                             f"    {f.metadata.get('help', '')}")
+
+    walk(Config(), "")
+    if not lines:
+        raise ConfigError(f"unknown key '{key}' (sections: {', '.join(f.name for f in dataclasses.fields(Config))})")
+    return "\n".join(lines)

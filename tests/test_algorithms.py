@@ -5,8 +5,14 @@ import pytest
 import torch
 
 from megatron_async import algorithms
+from megatron_async.algorithms import ALGORITHMS
+from megatron_async.config import TrainerConfig
 from megatron_async.algorithms.batching import Sample
 from megatron_async.algorithms.losses import dpo_loss, sequence_logprobs
+
+
+def algo(name: str, k: int = 2, **trainer):
+    return ALGORITHMS[name](TrainerConfig(algorithm=name, **trainer), k)
 
 
 def sample(prompt, reward, n_completion=3, lp=-1.0):
@@ -14,9 +20,28 @@ def sample(prompt, reward, n_completion=3, lp=-1.0):
                   logprobs=[lp] * n_completion, reward=reward, version=0)
 
 
+class FixedModels:
+    """`LearnerModels` that return given tensors (or zeros like the microbatch, on its device)."""
+
+    def __init__(self, reference=None, policy=None, values=None):
+        self.given = {"reference": reference, "policy": policy, "values": values}
+
+    def _out(self, which, mbs):
+        return self.given[which] or [torch.zeros(mb["input_ids"].shape, device=mb["input_ids"].device) for mb in mbs]
+
+    def reference_logprobs(self, mbs):
+        return self._out("reference", mbs)
+
+    def policy_logprobs(self, mbs):
+        return self._out("policy", mbs)
+
+    def values(self, mbs):
+        return self._out("values", mbs)
+
+
 def test_dpo_rows_are_adjacent_pairs_and_ties_are_skipped():
     samples = [sample(0, 1.0), sample(0, 0.0), sample(1, 0.0), sample(1, 0.0), sample(2, 0.0), sample(2, 1.0)]
-    rows, stats = algorithms.select_samples("online_dpo", samples, k=2)
+    rows, stats = algo("online_dpo").select(samples)
     assert [r.reward for r in rows] == [1.0, 0.0, 1.0, 0.0]  # chosen, rejected, chosen, rejected
     assert [r.prompt_index for r in rows] == [0, 0, 2, 2]
     assert stats["dpo/tied_prompts"] == 1.0
@@ -24,7 +49,7 @@ def test_dpo_rows_are_adjacent_pairs_and_ties_are_skipped():
 
 def test_microbatches_have_one_shape_and_padding_weighs_nothing():
     rows = [sample(i, float(i % 2), n_completion=1 + i) for i in range(5)]
-    mbs = algorithms.build_microbatches("rloo", rows, pad_id=0, micro_batch_size=2, k=5, beta=0.0)
+    mbs = algo("rloo", k=5, beta=0.0).microbatches(rows, pad_id=0, micro_batch_size=2)
     assert len(mbs) == 3 and {tuple(mb["input_ids"].shape) for mb in mbs} == {(2, 2 + 5)}
     assert mbs[-1]["row_weight"].tolist() == [1.0, 0.0]
     # mean over microbatches of loss_scale * (mean over the microbatch's real rows) = mean over rows
@@ -34,17 +59,17 @@ def test_microbatches_have_one_shape_and_padding_weighs_nothing():
 
 def test_pairs_never_straddle_microbatches():
     samples = [s for p in range(3) for s in (sample(p, 1.0), sample(p, 0.0))]
-    rows, _ = algorithms.select_samples("online_dpo", samples, k=2)
-    mbs = algorithms.build_microbatches("online_dpo", rows, pad_id=0, micro_batch_size=3, k=2, beta=0.1)
+    rows, _ = algo("online_dpo").select(samples)
+    mbs = algo("online_dpo").microbatches(rows, pad_id=0, micro_batch_size=3)
     assert all(mb["input_ids"].shape[0] == 4 for mb in mbs)  # odd size rounded up to whole pairs
     assert mbs[1]["row_weight"].tolist() == [1.0, 1.0, 0.0, 0.0]
 
 
 def test_dpo_loss_fn_equals_the_mean_over_real_pairs():
     samples = [s for p in range(3) for s in (sample(p, 1.0), sample(p, 0.0))]
-    rows, _ = algorithms.select_samples("online_dpo", samples, k=2)
-    mbs = algorithms.build_microbatches("online_dpo", rows, pad_id=0, micro_batch_size=4, k=2, beta=0.1)
-    loss_fn = algorithms.make_loss_fn("online_dpo", beta=0.1)
+    rows, _ = algo("online_dpo").select(samples)
+    mbs = algo("online_dpo").microbatches(rows, pad_id=0, micro_batch_size=4)
+    loss_fn = algo("online_dpo", beta=0.1).loss
     torch.manual_seed(0)
     logps, losses = [], []
     for mb in mbs:
@@ -61,9 +86,10 @@ def test_dpo_loss_fn_equals_the_mean_over_real_pairs():
 
 def test_rloo_advantages_use_kl_regularised_rewards():
     rows = [sample(0, 1.0, lp=-1.0), sample(0, 0.0, lp=-1.0)]
-    mbs = algorithms.build_microbatches("rloo", rows, pad_id=0, micro_batch_size=4, k=2, beta=0.5)
-    mbs[0]["ref_logprobs"] = mbs[0]["gen_logprobs"] - 0.1 * mbs[0]["loss_mask"]  # KL = 3 tokens x 0.1
-    algorithms.add_rloo_advantages(mbs, k=2, beta=0.5)
+    rloo = algo("rloo", beta=0.5)
+    mbs = rloo.microbatches(rows, pad_id=0, micro_batch_size=4)
+    # KL = 3 tokens x 0.1
+    rloo.prepare([mbs], FixedModels(reference=[mbs[0]["gen_logprobs"] - 0.1 * mbs[0]["loss_mask"]]))
     r = [1.0 - 0.5 * 0.3, 0.0 - 0.5 * 0.3]
     assert mbs[0]["advantages"].tolist() == pytest.approx([r[0] - r[1], r[1] - r[0], 0.0, 0.0])
 
@@ -74,9 +100,9 @@ def ppo_microbatch():
     Columns: 2 prompt tokens, then completion tokens (row 0: 2, row 1: 1). gen - ref logprob is 0.5
     on row 0's first completion token, 0 elsewhere; V_old is 9 off the completion mask (ignored).
     """
-    rows, _ = algorithms.select_samples("ppo", [sample(0, 1.0, n_completion=2, lp=-1.0),
-                                               sample(0, 0.0, n_completion=1, lp=-0.5)], k=2)
-    (mb,) = algorithms.build_microbatches("ppo", rows, pad_id=0, micro_batch_size=3, k=2, beta=0.2)
+    ppo = algo("ppo", beta=0.2)
+    rows, _ = ppo.select([sample(0, 1.0, n_completion=2, lp=-1.0), sample(0, 0.0, n_completion=1, lp=-0.5)])
+    (mb,) = ppo.microbatches(rows, pad_id=0, micro_batch_size=3)
     mb["ref_logprobs"] = torch.tensor([[0, 0, -1.5, -1.0], [0, 0, -0.5, 0], [0, 0, -1.5, -1.0]])
     mb["old_values"] = torch.tensor([[9, 9, 0.5, 0.8], [9, 9, 0.2, 9], [9, 9, 0.5, 0.8]])
     return mb
@@ -85,7 +111,7 @@ def ppo_microbatch():
 def test_ppo_rewards_gae_and_whitening_match_hand_computation():
     mb = ppo_microbatch()
     assert mb["gen_logprobs"].tolist() == [[0, 0, -1, -1], [0, 0, -0.5, 0], [0, 0, -1, -1]]
-    metrics = algorithms.add_ppo_advantages([mb], kl_coef=0.2, gamma=0.9, lam=0.5)
+    metrics = algo("ppo", beta=0.2, gamma=0.9, lam=0.5).add_advantages([mb])
     # rewards: row 0 [-0.2 * 0.5, 0 + score 1] = [-0.1, 1.0]; row 1 [0 + score 0]
     # row 0: A3 = 1.0 - 0.8 = 0.2;  A2 = (-0.1 + 0.9 * 0.8 - 0.5) + 0.9 * 0.5 * 0.2 = 0.12 + 0.09 = 0.21
     # row 1: A2 = 0 - 0.2 = -0.2.   returns = A + V_old
@@ -97,24 +123,25 @@ def test_ppo_rewards_gae_and_whitening_match_hand_computation():
     torch.testing.assert_close(mb["advantages"], torch.tensor([[0, 0, white[0], white[1]], [0, 0, white[2], 0], [0] * 4]))
     returns = [0.71, 1.0, 0.0]
     var_r = sum((r - sum(returns) / 3) ** 2 for r in returns) / 3
-    assert metrics["ppo/explained_variance"] == pytest.approx(1 - std ** 2 / var_r, rel=1e-5)  # R - V_old = raw A
-    assert metrics["ppo/kl"] == pytest.approx((0.5 + 0.0) / 2)
-    assert metrics["ppo/return_mean"] == pytest.approx(sum(returns) / 3)
+    assert float(metrics["ppo/explained_variance"]) == pytest.approx(1 - std ** 2 / var_r, rel=1e-5)  # R - V_old = raw A
+    assert float(metrics["ppo/kl"]) == pytest.approx((0.5 + 0.0) / 2)
+    assert float(metrics["ppo/return_mean"]) == pytest.approx(sum(returns) / 3)
 
 
 def test_ppo_loss_fns_use_old_logprobs_values_and_real_rows_only():
     from megatron_async.algorithms.losses import ppo_policy_loss, ppo_value_loss
 
     mb = ppo_microbatch()
-    algorithms.add_ppo_advantages([mb], kl_coef=0.2, gamma=0.9, lam=0.5)
+    ppo = algo("ppo", beta=0.2, gamma=0.9, lam=0.5, clip_eps=0.2, vf_coef=0.1)
+    ppo.add_advantages([mb])
     mb["old_logprobs"] = mb["gen_logprobs"] - 0.05 * mb["loss_mask"]
     new = mb["gen_logprobs"] + 0.3 * mb["loss_mask"]  # ratio e^0.35: clipped where A > 0
-    loss, m = algorithms.make_loss_fn("ppo", beta=0.2, clip_eps=0.2)(new, mb)
+    loss, m = ppo.loss(new, mb)
     want, _ = ppo_policy_loss(new[:2], mb["old_logprobs"][:2], mb["advantages"][:2], mb["loss_mask"][:2], 0.2)
     assert loss.item() == pytest.approx(want.item() * mb["loss_scale"].item())
     assert 0 < m["policy/clipfrac"].item() < 1
     values = mb["old_values"] + 0.5
-    vloss, vm = algorithms.make_value_loss_fn(clip_eps=0.2, vf_coef=0.1)(values, mb)
+    vloss, vm = ppo.value_loss(values, mb)
     vwant, _ = ppo_value_loss(values[:2], mb["old_values"][:2], mb["returns"][:2], mb["loss_mask"][:2], 0.2)
     assert vloss.item() == pytest.approx(0.1 * vwant.item() * mb["loss_scale"].item())
     assert set(vm) == {"loss/value", "value/clipfrac", "value/mean"}
@@ -124,7 +151,7 @@ def test_ppo_needs_the_generating_policys_logprobs():
     mb = ppo_microbatch()
     del mb["gen_logprobs"]
     with pytest.raises(ValueError, match="trainer.algorithm=ppo"):
-        algorithms.add_ppo_advantages([mb], kl_coef=0.2, gamma=0.9, lam=0.5)
+        algo("ppo", beta=0.2, gamma=0.9, lam=0.5).add_advantages([mb])
 
 
 def test_values_are_aligned_with_logprobs():
@@ -135,7 +162,7 @@ def test_values_are_aligned_with_logprobs():
 
 
 def test_best_of_k_keeps_only_exact_matches():
-    rows, stats = algorithms.select_samples("best_of_k_sft", [sample(0, 0.0), sample(0, 1.0), sample(1, 0.0)], k=2)
+    rows, stats = algo("best_of_k_sft").select([sample(0, 0.0), sample(0, 1.0), sample(1, 0.0)])
     assert [r.reward for r in rows] == [1.0] and stats["sft/below_min_reward"] == 1.0
     assert not math.isnan(stats["sft/selected"])
 
@@ -148,16 +175,47 @@ def test_minibatches_and_dp_shards_keep_units_whole():
     shards = [algorithms.dp_shard(rows, 2, dp=2, dp_rank=r) for r in range(2)]
     assert sorted(shards[0] + shards[1]) == rows and all(len(s) == 6 for s in shards)
     assert algorithms.dp_shard(rows, 4, dp=4, dp_rank=3) == rows  # 3 groups, 4 ranks: replicate
-    assert algorithms.row_unit("online_dpo", 4) == 2 and algorithms.row_unit("rloo", 4) == 4
+    assert algo("online_dpo", k=4).unit == 2 and algo("rloo", k=4).unit == 4 and algo("best_of_k_sft", k=4).unit == 1
 
 
 def test_dpo_nll_term_adds_the_chosen_token_mean_nll():
     samples = [sample(0, 1.0), sample(0, 0.0)]
-    rows, _ = algorithms.select_samples("online_dpo", samples, k=2)
-    (mb,) = algorithms.build_microbatches("online_dpo", rows, pad_id=0, micro_batch_size=2, k=2, beta=0.1)
+    rows, _ = algo("online_dpo").select(samples)
+    (mb,) = algo("online_dpo").microbatches(rows, pad_id=0, micro_batch_size=2)
     mb["ref_logprobs"] = torch.zeros(mb["input_ids"].shape)
     lp = -0.5 * mb["loss_mask"]  # every completion token has logprob -0.5
-    plain, _ = algorithms.make_loss_fn("online_dpo", beta=0.1)(lp, mb)
-    rpo, m = algorithms.make_loss_fn("online_dpo", beta=0.1, dpo_nll_coef=2.0)(lp, mb)
+    plain, _ = algo("online_dpo", beta=0.1).loss(lp, mb)
+    rpo, m = algo("online_dpo", beta=0.1, dpo_nll_coef=2.0).loss(lp, mb)
     assert m["loss/chosen_nll"].item() == pytest.approx(0.5)
     assert (rpo - plain).item() == pytest.approx(2.0 * 0.5)
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_batch_preparation_and_loss_stay_on_the_learners_device(name):
+    """gpu-path.md item 7: learner outputs on one device, the batch on another, must never meet.
+
+    Microbatches go to the learner's device and the learner's outputs come back there; `meta`
+    tensors (shapes only) stand in for a GPU: any CPU tensor in the arithmetic raises."""
+    a = algo(name, k=2)
+    samples = [sample(p, float(i), n_completion=2 + i) for p in range(3) for i in range(2)]
+    rows, _ = a.select(samples)
+    minibatches = [a.microbatches(part, pad_id=0, micro_batch_size=3, device="meta")
+                   for part in algorithms.split_units(rows, a.unit, 2)]
+    stats = a.prepare(minibatches, FixedModels())
+    assert all(v.device.type == "meta" for v in stats.values())
+    mb = minibatches[0][0]
+    loss, metrics = a.loss(torch.zeros(mb["input_ids"].shape, device="meta"), mb)
+    assert loss.device.type == "meta" and all(v.device.type == "meta" for v in metrics.values())
+    if a.value_loss is not None:
+        assert a.value_loss(torch.zeros(mb["input_ids"].shape, device="meta"), mb)[0].device.type == "meta"
+
+
+def test_config_allows_exactly_the_registered_algorithms():
+    import typing
+
+    from megatron_async.config import ConfigError, load_config
+
+    hint = typing.get_type_hints(TrainerConfig)["algorithm"]
+    assert set(typing.get_args(hint)) == set(ALGORITHMS)
+    with pytest.raises(ConfigError, match="trainer.algorithm"):
+        load_config(None, ["trainer.algorithm=reinforce"])

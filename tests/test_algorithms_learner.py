@@ -86,21 +86,22 @@ def test_ppo_value_model_starts_from_the_reward_model(tiny_ckpts, tiny_rm, tmp_p
 
 
 def test_ppo_refuses_a_reward_model_it_cannot_start_the_value_model_from(tiny_ckpts, tiny_rm, tmp_path):
-    from megatron_async.run.trainer import build_learner
+    from megatron_async.run.learner_state import check_value_model_source
+    from megatron_async.run.preflight import preflight
 
     ppo = ["trainer.algorithm=ppo", "reward.kind=reward_model"]
     with pytest.raises(ConfigError, match=r"'reward.model_path'.*num_key_value_heads=1"):  # the RM's 1 KV head
-        load_config(None, [*ppo, f"reward.model_path={tiny_rm}", "parallel.tp=2"])
+        preflight(load_config(None, [*ppo, f"reward.model_path={tiny_rm}", "parallel.tp=2"]))
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "num_attention_heads": 4}))
     with pytest.raises(ConfigError, match=r"'reward.model_path'.*model_type 'gpt2' is not supported"):
-        load_config(None, [*ppo, f"reward.model_path={gpt2}"])
-    load_config(None, ["reward.kind=reward_model", f"reward.model_path={gpt2}"])  # fine when it only scores
+        preflight(load_config(None, [*ppo, f"reward.model_path={gpt2}"]))
+    preflight(load_config(None, ["reward.kind=reward_model", f"reward.model_path={gpt2}"]))  # fine when it only scores
     other_vocab = tmp_path / "rm_vocab"
     other_vocab.mkdir()
     rm_config = json.loads((tiny_rm / "config.json").read_text())
     (other_vocab / "config.json").write_text(json.dumps({**rm_config, "vocab_size": rm_config["vocab_size"] + 64}))
     cfg = load_config(None, [*ppo, f"reward.model_path={other_vocab}"])
     with pytest.raises(ConfigError, match=r"'reward.model_path'.*must share a tokenizer"):
-        build_learner(cfg, tiny_ckpts["gqa"])  # before anything is built: no megatron state needed
+        check_value_model_source(cfg, tiny_ckpts["gqa"])  # LearnerState.build's first check: nothing built yet

@@ -7,6 +7,7 @@ import pytest
 from megatron_async.bench import report
 from megatron_async.bench.commands import pin_overrides, sweep_plan
 from megatron_async.config import ConfigError, load_config
+from megatron_async.run.preflight import preflight
 from megatron_async.cluster.cpu_affinity import format_cpu_list, parse_cpu_list, rank_cpus, replica_pin_env
 
 
@@ -129,7 +130,7 @@ def test_config_accepts_pinning_keys():
 ])
 def test_config_rejects_bad_pinning_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        load_config(None, [override])
+        preflight(load_config(None, [override]))
 
 
 def test_pin_overrides():

@@ -7,7 +7,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_async.config import Config, ConfigError, flatten, load_config, save_config, validate
+from megatron_async.config import Config, ConfigError, flatten, load_config, save_config
+from megatron_async.run.preflight import preflight
 
 
 def write(tmp_path, data, name="c.yaml"):
@@ -77,8 +78,8 @@ def test_literal_choices():
     (["trainer.algorithm=ppo", "trainer.lam=1.5"], "trainer.lam"),
 ])
 def test_impossible_settings_fail_naming_the_key(overrides, key):
-    with pytest.raises(ConfigError) as e:
-        load_config(None, overrides)
+    with pytest.raises(ConfigError) as e:  # the schema's checks or the preflight's: before anything starts
+        preflight(load_config(None, overrides))
     assert f"'{key}'" in str(e.value)
 
 
@@ -86,21 +87,21 @@ def test_ppo_allows_k1_and_world_size_checked_at_launch():
     cfg = load_config(None, ["trainer.algorithm=ppo", "rollout.k=1", "parallel.tp=2"])
     assert cfg.trainer.value_lr is None  # = trainer.lr
     assert load_config(None, ["trainer.algorithm=ppo", "trainer.value_lr=1e-5"]).trainer.value_lr == 1e-5
-    validate(cfg, world_size=4)
+    preflight(cfg, world_size=4)
     with pytest.raises(ConfigError, match="parallel.world_size"):
-        validate(cfg, world_size=3)
+        preflight(cfg, world_size=3)
 
 
 def test_tp_checked_against_a_real_hf_config(tmp_path):
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"num_attention_heads": 9, "num_key_value_heads": 3}))
-    load_config(None, [f"model.hf_path={model}", "parallel.tp=3"])
+    preflight(load_config(None, [f"model.hf_path={model}", "parallel.tp=3"]))
     with pytest.raises(ConfigError, match="query groups"):
-        load_config(None, [f"model.hf_path={model}", "parallel.tp=9"])
+        preflight(load_config(None, [f"model.hf_path={model}", "parallel.tp=9"]))
     (model / "config.json").write_text("{")
     with pytest.raises(ConfigError, match="config.json"):
-        load_config(None, [f"model.hf_path={model}"])
+        preflight(load_config(None, [f"model.hf_path={model}"]))
 
 
 def test_bad_yaml_and_non_mapping(tmp_path):

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from megatron_async.config import ConfigError, load_config
+from megatron_async.run.preflight import preflight
 from megatron_async.cluster.placement import check_fit, node_layout
 from tests.e2e_utils import RLOO, assert_one_step_off_policy
 from tests.e2e_utils import SMALL as E2E_SMALL
@@ -39,7 +40,9 @@ DEDICATED = ["placement.nnodes=2", "placement.dedicated_replica_node=true", "pla
 
 def gpu_cfg(*overrides):
     """A config as a login node would validate it before launch: 8 GPUs per node, no CUDA here."""
-    return load_config(CFG, ["placement.gpus_per_node=8", *overrides])
+    cfg = load_config(CFG, ["placement.gpus_per_node=8", *overrides])
+    preflight(cfg)
+    return cfg
 
 
 # ----------------------------------------------------------------------------- placement (fast)
@@ -93,7 +96,8 @@ def test_routable_host_lets_senders_on_other_nodes_reach_the_replicas():
 
 def test_gpu_lists_are_ignored_without_a_gpu_count():
     # on a CPU machine (gpus_per_node=0, no CUDA) only the static checks apply
-    load_config(CFG, ["placement.learner_gpus=[0,1,2,3]", "placement.replica_gpus=[4]", "parallel.world_size=2"])
+    preflight(load_config(CFG, ["placement.learner_gpus=[0,1,2,3]", "placement.replica_gpus=[4]",
+                                "parallel.world_size=2"]))
 
 
 def test_placement_command_prints_each_nodes_nproc():

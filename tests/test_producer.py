@@ -43,7 +43,8 @@ def test_batches_get_version_b_minus_lag_and_wait_for_it(max_lag):
             # admission: nothing that would need a version the replicas do not hold has started
             time.sleep(0.05)
             assert max(maker.started) <= step + max_lag
-            batch = prod.poll(step)
+            assert prod.has(step)
+            batch = prod.take(step)
             assert batch.index == step and batch.policy_version == max(0, step - max_lag)
             assert step - batch.policy_version <= max_lag
             prod.notify_synced(step + 1)
@@ -57,9 +58,9 @@ def test_resume_with_buffered_batches():
     saved = [RolloutBatch(index=4, policy_version=3, problems=[], completions=[], rewards=[])]
     prod = RolloutProducer(maker, max_lag=1, last_batch=7, first_batch=4, synced_version=4, ready=saved).start()
     try:
-        assert prod.poll(4) is saved[0]
+        assert prod.take(4) is saved[0]
         assert wait_until(lambda: prod.generated_through(5))
-        assert prod.poll(5).policy_version == 4
+        assert prod.take(5).policy_version == 4
         time.sleep(0.05)
         assert maker.started == [5]  # batch 6 needs version 5
         prod.notify_synced(5)
@@ -73,7 +74,7 @@ def test_errors_reach_the_learner():
     try:
         assert wait_until(lambda: prod._error is not None)
         with pytest.raises(RuntimeError, match="replica exploded"):
-            prod.poll(0)
+            prod.has(0)
     finally:
         prod.stop()
 

@@ -51,7 +51,7 @@ def measure(model_dir: Path, learner_cpus: str, replica_cpus: str, seconds: floa
 
     from megatron_async.cluster.cpu_affinity import pin_learner, replica_pin_env
     from megatron_async.rollout import ReplicaPool, ReplicaSpec, Sampling
-    from megatron_async.rollout.build import replica_env
+    from megatron_async.rollout.launcher import replica_env
 
     mine = pin_learner(learner_cpus)
     torch.manual_seed(0)

@@ -58,7 +58,7 @@ def _ids(cfg: Config, key: str) -> list[int] | None:
 
 
 def check_static(cfg: Config) -> None:
-    """Checks that need no GPU count: node numbers, id lists, explicit overlap (called by validate)."""
+    """Checks that need no GPU count: node numbers, id lists, explicit overlap (run.preflight, `placement`)."""
     p, r = cfg.placement, cfg.rollout
     if p.nnodes < 1:
         raise ConfigError(f"key 'placement.nnodes' = {p.nnodes}: must be >= 1")

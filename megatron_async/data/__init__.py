@@ -11,6 +11,7 @@ from megatron_async.data.prompts import (
     load_hf_dataset,
     load_problems,
     load_prompts,
+    load_train_prompts,
     tokenize_prompts,
 )
 from megatron_async.data.synthetic import synthetic_problems
@@ -26,6 +27,7 @@ __all__ = [
     "load_hf_dataset",
     "load_problems",
     "load_prompts",
+    "load_train_prompts",
     "synthetic_problems",
     "tokenize_prompts",
 ]

@@ -188,3 +188,12 @@ def load_prompts(cfg: Config, tokenizer, source: str, split: str, size: int) -> 
     if size:
         problems = problems[:size]
     return tokenize_prompts(problems, tokenizer, d.max_prompt_tokens, d.prompt_template, d.on_long_prompt)
+
+
+SYNTHETIC_TRAIN_SIZE = 20000  # problems drawn for the synthetic train split (it has no natural size)
+
+
+def load_train_prompts(cfg: Config, tokenizer) -> tuple[list[TokenizedPrompt], int]:
+    """The run's training prompts (data.train, all of it) -> (prompts, dropped)."""
+    size = SYNTHETIC_TRAIN_SIZE if cfg.data.train == "synthetic" else 0
+    return load_prompts(cfg, tokenizer, cfg.data.train, "train", size)

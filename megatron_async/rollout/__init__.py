@@ -4,7 +4,8 @@ Knows HF tensors and policy versions, never Megatron internals. See pool.py for 
 fault handling, replica.py for the replica protocol and the weight-update invariants, host.py for
 `serve-replicas`, which starts a dedicated replica node's replicas for the pool.
 """
-from megatron_async.rollout.pool import Completion, PoolError, ReplicaInfo, ReplicaPool
+from megatron_async.rollout.launcher import PoolError
+from megatron_async.rollout.pool import Completion, ReplicaInfo, ReplicaPool
 from megatron_async.rollout.replica import ReplicaClient, ReplicaError, ReplicaSpec, Sampling
 
 __all__ = [

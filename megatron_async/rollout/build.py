@@ -1,14 +1,12 @@
 """The run's replica pool from its config: how every replica builds its engine, and where it runs."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
-
-import torch
 
 from megatron_async.cluster.cpu_affinity import replica_pin_env
 from megatron_async.cluster.placement import replica_devices
 from megatron_async.config import Config
+from megatron_async.rollout.launcher import replica_env
 from megatron_async.rollout.pool import ReplicaPool
 from megatron_async.rollout.replica import ReplicaSpec
 
@@ -23,15 +21,6 @@ def replica_spec(cfg: Config, model: Path) -> ReplicaSpec:
                        max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens,
                        kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)), seed=cfg.run.seed,
                        engine_kwargs={"enable_chunked_prefill": False})
-
-
-def replica_env() -> dict[str, str]:
-    """Environment of replica processes: on CPU, vLLM in single-process mode (2 s start-up)."""
-    env = {}
-    if not torch.cuda.is_available():
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    return env
 
 
 def start_pool(cfg: Config, model: Path) -> ReplicaPool:

@@ -30,7 +30,7 @@ import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 
-from megatron_async.rollout.pool import LocalLauncher, PoolError
+from megatron_async.rollout.launcher import LocalLauncher, PoolError, replica_env
 from megatron_async.rollout.replica import ReplicaClient, ReplicaError, ReplicaSpec, _set_socket_timeouts, STALL_TIMEOUT_S
 
 
@@ -122,7 +122,6 @@ def main(cfg, wait_s: float) -> int:
     from megatron_async.config import ConfigError
     from megatron_async.cluster.cpu_affinity import replica_pin_env
     from megatron_async.cluster.placement import check_replica_host, replica_devices
-    from megatron_async.rollout.build import replica_env
 
     try:
         check_replica_host(cfg)

@@ -18,12 +18,15 @@ and re-raised in the learner's next call.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
+
+from megatron_async.data.problem import Problem
+from megatron_async.rollout.pool import Completion
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +83,19 @@ class RolloutProducer:
             self._synced = version
             self._cond.notify_all()
 
-    def poll(self, index: int) -> RolloutBatch | None:
-        """Batch `index` if it is generated (removed from the buffer), else None. Re-raises errors."""
+    def has(self, index: int) -> bool:
+        """True when batch `index` is generated and not yet taken. Re-raises the thread's error."""
         with self._cond:
             self._raise_if_failed()
-            return self._ready.pop(index, None)
+            return index in self._ready
+
+    def take(self, index: int) -> RolloutBatch:
+        """Batch `index`, removed from the buffer (call once `has(index)`)."""
+        with self._cond:
+            self._raise_if_failed()
+            if index not in self._ready:
+                raise KeyError(f"batch {index} is not generated yet (generated up to {self._next - 1})")
+            return self._ready.pop(index)
 
     def generated_through(self, index: int) -> bool:
         """True when every batch up to `index` is generated (trained or waiting in the buffer)."""
@@ -148,9 +159,6 @@ def batch_to_json(batch: RolloutBatch) -> dict:
 
 
 def batch_from_json(data: dict) -> RolloutBatch:
-    from megatron_async.data.prompts import Problem
-    from megatron_async.rollout.pool import Completion
-
     def completion(c: dict) -> Completion:
         c = dict(c, prompt_token_ids=tuple(c["prompt_token_ids"]), token_ids=tuple(c["token_ids"]),
                  logprobs=None if c["logprobs"] is None else tuple(c["logprobs"]))

@@ -22,11 +22,18 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from megatron_async.config import Config
 from megatron_async.io_utils import atomic_write_text
+from megatron_async.learner.checkpoint import load_checkpoint, save_checkpoint
 from megatron_async.rollout.producer import batch_from_json, batch_to_json
+
+if TYPE_CHECKING:  # the states hold the checkpoint's contents; they never import this module's callers
+    from megatron_async.run.learner_state import LearnerState
+    from megatron_async.run.rollout_state import RolloutState
 
 log = logging.getLogger(__name__)
 
@@ -35,64 +42,65 @@ VALUE_STAGING = "value.staging"  # not step_*: a crash's leftover is never loade
 KEEP = 2  # newest checkpoints kept
 
 
-def checkpoint_root(cfg) -> Path:
+def checkpoint_root(cfg: Config) -> Path:
     return cfg.run_dir / "checkpoints"
 
 
-def save_run_checkpoint(trainer, next_step: int) -> Path:
-    """All ranks. Rank 0 contributes the rollout state; learner shards come from every rank."""
-    from megatron_async.learner.checkpoint import save_checkpoint
-
-    root = checkpoint_root(trainer.cfg)
+def save_run_checkpoint(cfg: Config, learner: LearnerState, rollout: RolloutState | None,
+                        ctrl: dist.ProcessGroup, next_step: int) -> Path:
+    """All ranks. Rank 0 (the one with `rollout`) contributes the rollout state; learner shards come
+    from every rank."""
+    root = checkpoint_root(cfg)
     path = root / f"step_{next_step:06d}"
     files = {}
     tmpdir = None
-    if trainer.rank0:
-        buffered = trainer.producer.buffered()
+    if rollout is not None:
+        buffered = rollout.producer.buffered()
         state = {
             "next_step": next_step,
-            "version": trainer.version,
+            "version": learner.version,
             "buffer": [batch_to_json(b) for b in buffered],
-            "data_state": buffered[-1].data_state if buffered else trainer.data_state,
-            "history": trainer.history,
+            "data_state": buffered[-1].data_state if buffered else rollout.data_state,
+            "history": rollout.history,
         }
         tmpdir = Path(tempfile.mkdtemp(prefix="rollout-state-"))
         (tmpdir / ROLLOUT_STATE).write_text(json.dumps(state))
         files = {ROLLOUT_STATE: tmpdir / ROLLOUT_STATE}
     parts = {}
-    if trainer.value is not None:  # PPO: saved complete first, then moved into the run checkpoint
-        parts["value"] = save_checkpoint(root / VALUE_STAGING, trainer.value, trainer.value_optimizer,
-                                         trainer.value_scheduler)
-    save_checkpoint(path, trainer.policy, trainer.optimizer, trainer.scheduler,
-                    extra={"next_step": next_step, "version": trainer.version}, files=files, parts=parts)
-    if trainer.rank0:
+    if learner.value is not None:  # PPO: saved complete first, then moved into the run checkpoint
+        v = learner.value
+        parts["value"] = save_checkpoint(root / VALUE_STAGING, v.chunks, v.optimizer, v.scheduler)
+    p = learner.policy
+    save_checkpoint(path, p.chunks, p.optimizer, p.scheduler,
+                    extra={"next_step": next_step, "version": learner.version}, files=files, parts=parts)
+    if rollout is not None:
         shutil.rmtree(tmpdir, ignore_errors=True)
         atomic_write_text(root / "latest", path.name)
         for old in sorted(root.glob("step_*"))[:-KEEP]:
             if old.is_dir() and not old.name.endswith(".tmp"):
                 shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint saved: %s", path)
-    dist.barrier(group=trainer.ctrl)
+    dist.barrier(group=ctrl)
     return path
 
 
-def latest_checkpoint(cfg) -> Path | None:
+def latest_checkpoint(cfg: Config) -> Path | None:
     marker = checkpoint_root(cfg) / "latest"
     if not marker.exists():
         return None
     return checkpoint_root(cfg) / marker.read_text().strip()
 
 
-def load_run_checkpoint(trainer, path: Path) -> dict:
+def load_run_checkpoint(cfg: Config, learner: LearnerState, path: Path) -> dict:
     """All ranks: restore learner state; returns the rollout state (meaningful on rank 0)."""
-    from megatron_async.learner.checkpoint import load_checkpoint
-
-    extra = load_checkpoint(path, trainer.policy, trainer.optimizer, trainer.scheduler)
-    if trainer.value is not None:
+    p = learner.policy
+    extra = load_checkpoint(path, p.chunks, p.optimizer, p.scheduler)
+    if learner.value is not None:
         if not (path / "value").is_dir():
-            raise ValueError(f"{path} has no value model (value/): it was not saved by a trainer.algorithm=ppo "
-                             f"run, so trainer.algorithm={trainer.cfg.trainer.algorithm} cannot resume from it")
-        load_checkpoint(path / "value", trainer.value, trainer.value_optimizer, trainer.value_scheduler)
+            raise ValueError(f"{path} has no value model (value/): it was not saved by a run with a value model, "
+                             f"so trainer.algorithm={cfg.trainer.algorithm} cannot resume from it")
+        v = learner.value
+        load_checkpoint(path / "value", v.chunks, v.optimizer, v.scheduler)
     state = json.loads((path / ROLLOUT_STATE).read_text())
     if state["next_step"] != extra["next_step"]:
         raise ValueError(f"{path}: {ROLLOUT_STATE} is for step {state['next_step']}, the learner state for {extra['next_step']}")

@@ -20,7 +20,8 @@ from megatron_async.data import load_prompts
 from megatron_async.io_utils import atomic_write_text
 from megatron_async.models.base_model import load_tokenizer
 from megatron_async.rewards import make_scorer
-from megatron_async.rollout.build import replica_env, replica_spec
+from megatron_async.rollout.build import replica_spec
+from megatron_async.rollout.launcher import replica_env
 from megatron_async.rollout.pool import ReplicaPool
 from megatron_async.rollout.replica import Sampling
 

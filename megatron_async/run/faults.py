@@ -28,9 +28,16 @@ def crash_after_checkpoint(step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def nan_loss_at(step: int) -> bool:
-    steps = os.environ.get(NAN_LOSS_STEPS, "")
-    return str(step) in steps.split(",")
+def poison_loss_at(step: int, loss_fn):
+    """`loss_fn`, or at a step listed in MEGATRON_ASYNC_NAN_LOSS_STEPS the same loss times NaN."""
+    if str(step) not in os.environ.get(NAN_LOSS_STEPS, "").split(","):
+        return loss_fn
+
+    def nan_loss(logprobs, mb):
+        loss, metrics = loss_fn(logprobs, mb)
+        return loss * float("nan"), metrics
+
+    return nan_loss
 
 
 def kill_replica_during(batch_index: int, replica_pid: int, delay_s: float = 0.3) -> None:

@@ -1,12 +1,14 @@
-"""Entry point of `megatron-async train`: launch the learner ranks, build, run, close.
+"""Entry point of `megatron-async train`: check, launch the learner ranks, build, run, close.
 
     megatron-async train configs/cpu_tiny.yaml                  # one learner rank on this machine
     megatron-async train configs/cpu_tiny.yaml parallel.tp=2    # relaunches itself: torchrun, 2 ranks
     torchrun --nproc-per-node 8 -m megatron_async train cfg.yaml parallel.tp=8   # what launch/ does
 
-Without torchrun variables and with more than one learner rank needed (tp x pp, or --nproc), the
-command relaunches itself under `python -m torch.distributed.run` on 127.0.0.1. The vLLM
-replicas are started by learner rank 0 (see `trainer.py`), never by torchrun.
+The preflight (`run/preflight.py`: files, model, data, checkpoint, CPUs, GPUs) runs once, before
+anything starts: in this process, and not again in the ranks it relaunches. Without torchrun
+variables and with more than one learner rank needed (tp x pp, or --nproc), the command
+relaunches itself under `python -m torch.distributed.run` on 127.0.0.1. The vLLM replicas are
+started by learner rank 0 (`run/rollout_state.py`), never by torchrun.
 """
 from __future__ import annotations
 
@@ -14,38 +16,38 @@ import os
 import subprocess
 import sys
 
+import torch
 
-def main(cfg, config_path: str, overrides: list[str], nproc: int | None = None) -> int:
+from megatron_async.cluster.cpu_affinity import pin_learner
+from megatron_async.cluster.placement import check_runtime, nproc_per_node
+from megatron_async.config import Config, ConfigError
+from megatron_async.learner.parallel import destroy_parallel, free_port
+from megatron_async.run.preflight import preflight
+from megatron_async.run.trainer import Trainer
+
+CHECKED_ENV = "MEGATRON_ASYNC_PREFLIGHT_DONE"  # set for the ranks this launcher relaunches
+
+
+def main(cfg: Config, config_path: str, overrides: list[str], nproc: int | None = None) -> int:
     ranks = nproc or cfg.parallel.world_size or cfg.parallel.tp * cfg.parallel.pp
-    if nproc is None and cfg.placement.nnodes == 1 and "LOCAL_RANK" not in os.environ:
-        import torch
-
-        if torch.cuda.is_available():  # one GPU node: a learner rank per learner GPU (placement.*)
-            from megatron_async.cluster.placement import nproc_per_node
-
-            ranks = nproc_per_node(cfg, 0, torch.cuda.device_count())
-    if ranks > 1 and "LOCAL_RANK" not in os.environ:
-        from megatron_async.learner.parallel import free_port
-
+    under_torchrun = "LOCAL_RANK" in os.environ
+    if nproc is None and cfg.placement.nnodes == 1 and not under_torchrun and torch.cuda.is_available():
+        ranks = nproc_per_node(cfg, 0, torch.cuda.device_count())  # one GPU node: a rank per learner GPU
+    try:
+        if os.environ.get(CHECKED_ENV) != "1":
+            preflight(cfg, world_size=int(os.environ.get("WORLD_SIZE", ranks)))
+        if under_torchrun:
+            check_runtime(cfg)  # torchrun's node and rank counts against placement.*
+    except ConfigError as e:
+        print(f"megatron-async: config error: {e}", file=sys.stderr)
+        return 2
+    if ranks > 1 and not under_torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
                "--master-addr=127.0.0.1", f"--master-port={free_port()}",
                "-m", "megatron_async", "train", config_path, *overrides]
         if cfg.run.resume:
             cmd.append("--resume")
-        return subprocess.call(cmd)
-
-    from megatron_async.config import ConfigError, validate
-    from megatron_async.learner.parallel import destroy_parallel
-    from megatron_async.cluster.placement import check_runtime as check_placement
-    from megatron_async.run.trainer import Trainer
-
-    try:
-        validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-        check_placement(cfg)  # torchrun's node and rank counts against placement.*
-    except ConfigError as e:
-        print(f"megatron-async: config error: {e}", file=sys.stderr)
-        return 2
-    from megatron_async.cluster.cpu_affinity import pin_learner
+        return subprocess.call(cmd, env={**os.environ, CHECKED_ENV: "1"})
 
     pin_learner(cfg.parallel.learner_cpus)  # before any torch thread pool exists; replicas re-pin
     trainer = None

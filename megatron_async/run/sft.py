@@ -14,9 +14,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from megatron_async import algorithms
-
 from megatron_async.algorithms import batching
+from megatron_async.algorithms.best_of_k_sft import BestOfKSFT
+from megatron_async.config import Config
+from megatron_async.data import PromptIterator, load_train_prompts
+from megatron_async.learner.hf_export import export_hf
+from megatron_async.learner.mapping import load_hf_weights
+from megatron_async.learner.model import build_model
+from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
+from megatron_async.learner.parallel import ParallelLayout
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +37,8 @@ def sft_rows(prompts, tokenizer) -> list[batching.Sample]:
     return rows
 
 
-def run_sft(cfg, base: Path, tokenizer, layout, tracker) -> Path:
-    from megatron_async.learner.hf_export import export_hf
-    from megatron_async.data.iterator import PromptIterator
-    from megatron_async.learner.model import build_model
-    from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
-    from megatron_async.data import load_prompts
-    from megatron_async.learner.mapping import load_hf_weights
-
+def run_sft(cfg: Config, base: Path, tokenizer, layout: ParallelLayout, tracker) -> Path:
+    """`sft.steps` steps on the train split's reference solutions from `base`; -> the SFT model's HF dir."""
     out = cfg.run_dir / "sft_model"
     if (out / "config.json").exists():
         log.info("SFT model found at %s: reusing it", out)
@@ -49,15 +49,14 @@ def run_sft(cfg, base: Path, tokenizer, layout, tracker) -> Path:
     settings = OptimSettings(lr=s.lr, min_lr=s.lr / 10, clip_grad=1.0, warmup_steps=min(20, s.steps // 10),
                              decay_steps=max(1, s.steps - min(20, s.steps // 10)), decay_style="cosine")
     policy, optimizer, scheduler = build_optimizer(chunks, settings)
-    prompts, _ = load_prompts(cfg, tokenizer, cfg.data.train, "train", 20000 if cfg.data.train == "synthetic" else 0)
+    prompts, _ = load_train_prompts(cfg, tokenizer)
     data = PromptIterator(prompts, seed=cfg.run.seed + 1)
-    loss_fn = algorithms.make_loss_fn("best_of_k_sft", beta=0.0)
+    nll = BestOfKSFT(cfg.trainer, k=1)  # its loss and microbatching; no reference model (no KL term)
     bar = tqdm(range(s.steps), desc="SFT", disable=layout.rank != 0, mininterval=2)
     for step in bar:
         rows = sft_rows(data.take(s.batch_size), tokenizer)
-        mbs = algorithms.build_microbatches("best_of_k_sft", rows, tokenizer.pad_token_id,
-                                            cfg.trainer.micro_batch_size, k=1, beta=0.0)
-        metrics = train_step(policy, optimizer, scheduler, mbs, loss_fn)
+        mbs = nll.microbatches(rows, tokenizer.pad_token_id, cfg.trainer.micro_batch_size, layout.device)
+        metrics = train_step(policy, optimizer, scheduler, mbs, nll.loss)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
         if step % 10 == 0 or step == s.steps - 1:
             tracker.log_metrics({"sft/loss": metrics["loss"], "sft/lr": metrics["lr"]}, step=step)

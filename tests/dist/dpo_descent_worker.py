@@ -12,8 +12,9 @@ import sys
 import torch
 
 if __name__ == "__main__":
-    from megatron_async import algorithms
     from megatron_async.algorithms.batching import Sample
+    from megatron_async.algorithms.online_dpo import OnlineDPO
+    from megatron_async.config import TrainerConfig
     from megatron_async.learner.logprobs import compute_logprobs
     from megatron_async.learner.model import build_model
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
@@ -30,15 +31,15 @@ if __name__ == "__main__":
             completion = torch.randint(3, 300, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()
             samples.append(Sample(prompt_index=p, prompt_ids=prompt, completion_ids=completion, logprobs=None,
                                   reward=reward, version=0))
-    rows, _ = algorithms.select_samples("online_dpo", samples, k=2)
-    mbs = algorithms.build_microbatches("online_dpo", rows, pad_id=0, micro_batch_size=6, k=2, beta=0.1)
+    dpo = OnlineDPO(TrainerConfig(beta=0.1), k=2)
+    rows, _ = dpo.select(samples)
+    mbs = dpo.microbatches(rows, pad_id=0, micro_batch_size=6)
     policy, reference = build_model(model_dir), build_model(model_dir)
     load_hf_weights(policy, model_dir)
     load_hf_weights(reference, model_dir)
     for mb, ref in zip(mbs, compute_logprobs(reference, mbs)):
         mb["ref_logprobs"] = ref
     ddp, opt, sched = build_optimizer(policy, OptimSettings(lr=1e-3, clip_grad=1.0))
-    loss_fn = algorithms.make_loss_fn("online_dpo", beta=0.1)
-    history = [train_step(ddp, opt, sched, mbs, loss_fn) for _ in range(6)]
+    history = [train_step(ddp, opt, sched, mbs, dpo.loss) for _ in range(6)]
     with open(out, "w") as f:
         json.dump(history, f)

@@ -3,8 +3,8 @@
     python tests/dist/ppo_descent_worker.py MODEL_DIR OUT.json
     python -m torch.distributed.run --nproc-per-node 2 tests/dist/ppo_descent_worker.py MODEL_DIR OUT.json --pp 2
 
-The trainer's own learner (`trainer.build_learner`: megatron-core policy, reference and value
-model) and its own `Trainer.learner_step`, called 6 times on the same batch: 4 prompts x K=2
+The trainer's own learner (`run.learner_state.LearnerState`: megatron-core policy, reference and
+value model, the PPO algorithm object) and its own `LearnerState.step`, called 6 times on the same batch: 4 prompts x K=2
 completions, one scored 1 and one 0, with the initial policy's logprobs as the generator's (as
 vLLM reports them at version 0). Then a run checkpoint is saved, loaded into a freshly built
 learner, and both take one more step (two passes, so Adam state and LR schedule count). Rank 0
@@ -15,7 +15,6 @@ import argparse
 import json
 from pathlib import Path
 from types import SimpleNamespace
-
 import torch
 
 if __name__ == "__main__":
@@ -26,16 +25,15 @@ if __name__ == "__main__":
     p.add_argument("--pp", type=int, default=1)
     a = p.parse_args()
     torch.set_num_threads(1)
-    from megatron_async import algorithms
     from megatron_async.algorithms.batching import Sample
-    from megatron_async.run.checkpoint import load_run_checkpoint, save_run_checkpoint
+    from megatron_async.algorithms.losses import sequence_logprobs
     from megatron_async.config import load_config
     from megatron_async.learner.logprobs import compute_logprobs
     from megatron_async.learner.parallel import destroy_parallel, init_parallel
-    from megatron_async.algorithms.losses import sequence_logprobs
-    from megatron_async.rollout.producer import RolloutBatch
     from megatron_async.rollout.pool import Completion
-    from megatron_async.run.trainer import Trainer, build_learner
+    from megatron_async.rollout.producer import RolloutBatch
+    from megatron_async.run.checkpoint import load_run_checkpoint, save_run_checkpoint
+    from megatron_async.run.learner_state import LearnerState
 
     # gamma = lam = 1: the returns are the rewards-to-go, fixed targets for the value model
     cfg = load_config(None, [f"run.out_dir={Path(a.out).parent}", f"run.name=tp{a.tp}pp{a.pp}",
@@ -54,25 +52,27 @@ if __name__ == "__main__":
                 samples.append(Sample(prompt_index=prompt, prompt_ids=ids, logprobs=None, reward=reward, version=0,
                                       completion_ids=torch.randint(3, 300, (n,), generator=g).tolist()))
 
-        def new_trainer():
-            return Trainer(cfg, layout, ctrl=None, tokenizer=SimpleNamespace(pad_token_id=0), init_model=a.model_dir,
-                           tracker=None, producer=SimpleNamespace(buffered=list), **build_learner(cfg, a.model_dir))
+        def new_learner():
+            return LearnerState.build(cfg, a.model_dir, layout, pad_id=0)
 
-        trainer = new_trainer()
-        mbs = algorithms.build_microbatches("ppo", samples, pad_id=0, micro_batch_size=len(samples), k=2, beta=0.1)
-        gen = compute_logprobs(trainer.reference, mbs)[0]  # [rows, s], 0 off the completion tokens
+        learner = new_learner()
+        mbs = learner.algorithm.microbatches(samples, pad_id=0, micro_batch_size=len(samples))
+        gen = compute_logprobs(learner.reference, mbs)[0]  # [rows, s], 0 off the completion tokens
         completions = [[Completion(prompt_index=s.prompt_index, sample_index=i % 2, prompt_token_ids=tuple(s.prompt_ids),
                                    token_ids=tuple(s.completion_ids), replica_id=0, policy_version=0, finish_reason="stop",
                                    logprobs=tuple(gen[i, len(s.prompt_ids):len(s.prompt_ids) + len(s.completion_ids)].tolist()))
                         for i, s in enumerate(samples) if s.prompt_index == prompt] for prompt in range(4)]
         batch = RolloutBatch(index=0, policy_version=0, problems=[None] * 4, completions=completions,
                              rewards=[[1.0, 0.0]] * 4)
-        history = [trainer.learner_step(batch, step=0) for _ in range(6)]
-        after = compute_logprobs(trainer.policy, mbs)[0]
-        path = save_run_checkpoint(trainer, next_step=6)
-        resumed = new_trainer()
-        load_run_checkpoint(resumed, path)
-        continued_step, resumed_step = trainer.learner_step(batch, step=6), resumed.learner_step(batch, step=6)
+        history = [learner.step(batch, step=0) for _ in range(6)]
+        after = compute_logprobs(learner.policy.chunks, mbs)[0]
+        ctrl = torch.distributed.new_group(backend="gloo")
+        # rank 0 saves an empty rollout state beside the learner's (no producer, prompts or history here)
+        rollout = SimpleNamespace(producer=SimpleNamespace(buffered=list), data_state={}, history=[])
+        path = save_run_checkpoint(cfg, learner, rollout if layout.rank == 0 else None, ctrl, next_step=6)
+        resumed = new_learner()
+        load_run_checkpoint(cfg, resumed, path)
+        continued_step, resumed_step = learner.step(batch, step=6), resumed.step(batch, step=6)
         if torch.distributed.get_rank() == 0:
             mask = mbs[0]["loss_mask"]
             with open(a.out, "w") as f:

@@ -22,17 +22,17 @@ if __name__ == "__main__":
     from megatron_async.config import load_config
     from megatron_async.learner.logprobs import compute_values
     from megatron_async.learner.parallel import destroy_parallel, init_parallel
-    from megatron_async.run.trainer import build_learner
+    from megatron_async.run.learner_state import LearnerState
 
     cfg = load_config(None, [f"model.hf_path={policy_dir}", "trainer.algorithm=ppo", "reward.kind=reward_model",
                              f"reward.model_path={rm_dir}"])
-    init_parallel(1, 1, seed=0)
+    layout = init_parallel(1, 1, seed=0)
     try:
-        parts = build_learner(cfg, Path(policy_dir))
+        learner = LearnerState.build(cfg, Path(policy_dir), layout, pad_id=0)
         rm = AutoModelForSequenceClassification.from_pretrained(rm_dir, use_safetensors=True, dtype=torch.float32).eval()
         # no pad token (id 0) among them: the RM scores the last token of each row
         ids = torch.randint(3, rm.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0))
-        values = compute_values(parts["value"], [{"input_ids": torch.cat([ids, ids[:, :1]], dim=1)}])[0][:, -1]
+        values = compute_values(learner.value.chunks, [{"input_ids": torch.cat([ids, ids[:, :1]], dim=1)}])[0][:, -1]
         with torch.no_grad():
             scores = rm(input_ids=ids).logits[:, 0]
         Path(out).write_text(json.dumps({"values": values.tolist(), "rm_scores": scores.tolist()}))

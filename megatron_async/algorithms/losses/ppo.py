@@ -23,7 +23,7 @@ from megatron_async.algorithms.losses.common import masked_mean
 
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     """[B, T] completion mask -> [B] index of each row's last completion token."""
-    if bool((mask.sum(-1) == 0).any()):
+    if not mask.is_meta and bool((mask.sum(-1) == 0).any()):  # (shape-only meta tensors: no data to check)
         raise ValueError("a row of the completion mask is all zero: every sample needs >= 1 completion token")
     T = mask.shape[-1]
     return T - 1 - mask.long().flip(-1).argmax(-1)
@@ -59,7 +59,7 @@ def gae(
     silently cut the episode in two, so it is rejected. Outside the mask both outputs are 0.
     """
     starts = (mask[:, 1:] > mask[:, :-1]).sum(-1) + (mask[:, 0] > 0).long()
-    if bool((starts > 1).any()):
+    if not mask.is_meta and bool((starts > 1).any()):
         raise ValueError("gae: each row's completion mask must be a single contiguous span")
     B, T = rewards.shape
     advantages = torch.zeros_like(rewards)

@@ -1,0 +1,174 @@
+"""The algorithm protocol: what one learner step asks of an algorithm, and the parts all share.
+
+One learner step on one scored batch (`run/learner_state.py`), for every algorithm:
+
+    rows, stats = algo.select(samples)                   # which samples are trained on, in row order
+    parts = split_units(rows, algo.unit, N)              # N minibatches; dp_shard -> this DP rank's share
+    mbs = algo.microbatches(part, pad_id, size, device)  # same [b, s] within a part
+    stats |= algo.prepare(minibatches, models)           # reference / old logprobs, values, advantages
+    train_step(policy, ..., mbs, algo.loss)              # N optimizer steps, T passes
+    train_step(value, ..., mbs, algo.value_loss)         # PPO only: the value model's step
+
+A new algorithm is one module with a subclass of `Algorithm` and one line in the registry
+(`algorithms/__init__.py`); the config's allowed `trainer.algorithm` values come from there.
+
+Padding rows: the last microbatch is filled with copies of row 0 that carry `row_weight` 0, so
+every microbatch has the same shape (pipeline buffers are fixed) and padding adds nothing to the
+loss or the gradients. The real rows of a microbatch are always its first `real_rows` rows. Each
+microbatch's loss is scaled so that the mean over microbatches (what the schedule computes) is the
+mean over real rows (pairs for DPO).
+
+Devices: microbatches are built on the learner's device, where the learner's logprobs and values
+come back, so batch preparation is one device's computation (no host sync either: statistics
+stay 0-dim tensors until the step's end). Shape-only `meta` tensors run it too, which is how the
+tests check that nothing mixes devices.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Protocol
+
+import torch
+
+from megatron_async.algorithms.batching import Sample, collate
+from megatron_async.algorithms.losses import sequence_kl
+
+if TYPE_CHECKING:
+    from megatron_async.config import Config, TrainerConfig
+
+Microbatch = dict[str, Any]
+Rule = tuple[bool, str, Any, str]  # (holds, key, value, why): a config requirement of an algorithm
+
+
+class LearnerModels(Protocol):
+    """The learner's forward passes an algorithm may ask for (no gradients; `learner.logprobs`)."""
+
+    def reference_logprobs(self, microbatches: list[Microbatch]) -> list[torch.Tensor]: ...
+    def policy_logprobs(self, microbatches: list[Microbatch]) -> list[torch.Tensor]: ...
+    def values(self, microbatches: list[Microbatch]) -> list[torch.Tensor]: ...
+
+
+class Algorithm:
+    """One RL algorithm: which samples it trains on, what it prepares per batch, its loss."""
+
+    name: ClassVar[str]
+    pairwise: ClassVar[bool] = False  # rows come as (chosen, rejected) pairs, kept together
+    grouped: ClassVar[bool] = False  # rows come as complete groups of K completions of a prompt
+    min_k: ClassVar[int] = 2  # completions per prompt it needs
+    value_model: ClassVar[bool] = False  # trains a value model beside the policy (PPO)
+
+    def __init__(self, cfg: TrainerConfig, k: int):
+        self.cfg, self.k = cfg, k
+
+    @classmethod
+    def rules(cls, cfg: Config) -> Iterable[Rule]:
+        """Config requirements of this algorithm, checked by `config.validate`."""
+        yield (cfg.rollout.k >= cls.min_k, "rollout.k", cfg.rollout.k,
+               f"{cls.name} compares completions of a prompt: needs K >= {cls.min_k}")
+
+    @property
+    def unit(self) -> int:
+        """Rows that must stay together in a minibatch and a DP shard."""
+        return 2 if self.pairwise else self.k if self.grouped else 1
+
+    # -- per batch ------------------------------------------------------------------------------
+    def select(self, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
+        """The samples trained on, in row order, with selection statistics."""
+        raise NotImplementedError
+
+    def microbatches(self, rows: list[Sample], pad_id: int, micro_batch_size: int,
+                     device: torch.device | str | None = None) -> list[Microbatch]:
+        """Rows (from `select`) -> microbatches of exactly `micro_batch_size` rows on `device`.
+
+        Keys: input_ids, loss_mask (completion tokens), gen_logprobs (when the samples carry
+        them), rewards, row_weight, loss_scale, and real_rows (an int: rows before the padding).
+        """
+        if not rows:
+            return []
+        if self.pairwise and micro_batch_size % 2:
+            micro_batch_size += 1  # a pair never straddles two microbatches
+        per_unit = 2 if self.pairwise else 1
+        batch = collate(rows, pad_id)
+        n = len(rows)
+        n_mb = -(-n // micro_batch_size)
+        index = torch.cat([torch.arange(n), torch.zeros(n_mb * micro_batch_size - n, dtype=torch.long)])
+        out = []
+        for m in range(n_mb):
+            sl = index[m * micro_batch_size:(m + 1) * micro_batch_size]
+            real = min(micro_batch_size, n - m * micro_batch_size)
+            mb = {
+                "input_ids": batch.input_ids[sl],
+                "loss_mask": batch.completion_mask[sl],
+                "rewards": batch.rewards[sl],
+                "row_weight": (torch.arange(micro_batch_size) < real).float(),
+                # mean over microbatches of (loss_mb * scale) == mean over all real rows / pairs
+                "loss_scale": torch.tensor((real // per_unit) * n_mb / (n // per_unit)),
+                "real_rows": real,
+            }
+            if batch.gen_logprobs is not None:
+                mb["gen_logprobs"] = batch.gen_logprobs[sl]
+            out.append({k: v.to(device) if isinstance(v, torch.Tensor) and device is not None else v
+                        for k, v in mb.items()})
+        return out
+
+    def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels) -> dict[str, torch.Tensor]:
+        """Add what the loss needs to every microbatch; return batch statistics (0-dim tensors).
+
+        Every algorithm needs the frozen reference's logprobs (the KL to it is logged, and is
+        part of most losses)."""
+        for mbs in minibatches:
+            for mb, ref in zip(mbs, models.reference_logprobs(mbs)):
+                mb["ref_logprobs"] = ref
+        return {}
+
+    # -- per microbatch (inside the learner's forward/backward) ---------------------------------
+    def policy_loss(self, logprobs: torch.Tensor, mb: Microbatch, n: int) -> tuple[torch.Tensor, dict]:
+        """The algorithm's loss on the first `n` (real) rows of a microbatch, and its metrics."""
+        raise NotImplementedError
+
+    def loss(self, logprobs: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, dict]:
+        """`learner.logprobs.forward_backward`'s loss_fn: the scaled policy loss, plus the KL to the
+        reference and the learner-vs-generator logprob gap on the trained tokens."""
+        n, mask = mb["real_rows"], mb["loss_mask"]
+        metrics = {}
+        if "ref_logprobs" in mb:
+            metrics["kl/ref"] = sequence_kl(logprobs.detach()[:n], mb["ref_logprobs"][:n], mask[:n]).mean()
+        loss, m = self.policy_loss(logprobs, mb, n)
+        if "gen_logprobs" in mb:  # learner vs generator on the trained tokens (drift + numerics)
+            diff = (logprobs.detach()[:n] - mb["gen_logprobs"][:n]).abs() * mask[:n]
+            metrics["logprob_diff/learner_vs_generator"] = diff.sum() / mask[:n].sum().clamp(min=1)
+        return loss * mb["loss_scale"], {**m, **metrics}
+
+    value_loss = None  # (values, mb) -> (loss, metrics) for algorithms with a value model
+
+
+def split_units(rows: list, unit: int, n: int) -> list[list]:
+    """Deal rows out to at most n parts, `unit` consecutive rows at a time (every part non-empty)."""
+    units = [rows[i:i + unit] for i in range(0, len(rows), unit)]
+    n = max(1, min(n, len(units)))
+    return [[r for u in units[i::n] for r in u] for i in range(n)]
+
+
+def dp_shard(rows: list, unit: int, dp: int, dp_rank: int) -> list:
+    """This data-parallel rank's share of `rows` (DDP averages the ranks' gradients).
+
+    With fewer units than ranks every rank takes all rows: the same gradient, just not split
+    (a rank with nothing would have no microbatch to run its collectives on). With an uneven split
+    the DDP average of per-rank means weighs the smaller shards' rows slightly more.
+    """
+    if dp == 1 or len(rows) // unit < dp:
+        return rows
+    return split_units(rows, unit, dp)[dp_rank]
+
+
+def real_rows_of(mbs: list[Microbatch], key: str) -> torch.Tensor:
+    """`mb[key]`'s real rows of every microbatch, concatenated in row order."""
+    return torch.cat([mb[key][:mb["real_rows"]] for mb in mbs])
+
+
+def scatter_rows(mbs: list[Microbatch], key: str, values: torch.Tensor) -> None:
+    """Inverse of `real_rows_of`: per-row `values` into `mb[key]` of each microbatch, 0 on padding rows."""
+    start = 0
+    for mb in mbs:
+        n, b = mb["real_rows"], mb["input_ids"].shape[0]
+        mb[key] = torch.cat([values[start:start + n], values.new_zeros((b - n,) + values.shape[1:])])
+        start += n

@@ -1,0 +1,114 @@
+"""PPO with a value model (TRL's PPOv2, as the paper).
+
+Complete groups of K (only to keep DP shards and minibatches aligned with the other algorithms;
+PPO itself needs no groups). Per token, reward r_t = -beta * (log pi_gen - log ref) with the score
+added at the last completion token; the KL uses the GENERATING policy's (vLLM's) logprobs, so the
+reward is fixed for the whole update. V_old from the value model (`learner/value.py`: the policy's
+initial weights or the reward model, a scalar head), GAE (`trainer.gamma`, `trainer.lam`) ->
+advantages and returns; advantages whitened over all completion tokens of this DP rank's share of
+the batch (TRL whitens per process), returns not. "Old" logprobs for the ratio are the LEARNER's,
+recomputed before the update's first optimizer step (classic PPO, as TRL; the generation lag is
+not importance-corrected, proximal_rloo does that). Policy: clipped surrogate (`trainer.clip_eps`),
+token-mean per microbatch. Value model: its own optimizer step on `trainer.vf_coef` x the clipped
+value loss (clip range `clip_eps`) on the same microbatches right after each policy step. vf_coef
+only scales the value gradients (TRL sums both losses under one optimizer); under Adam it matters
+through gradient clipping.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+
+from megatron_async.algorithms.batching import Sample, group_samples
+from megatron_async.algorithms.base import Algorithm, LearnerModels, Microbatch, Rule
+from megatron_async.algorithms.losses import (
+    gae,
+    kl_penalized_rewards,
+    masked_mean,
+    masked_whiten,
+    ppo_policy_loss,
+    ppo_value_loss,
+    sequence_kl,
+)
+
+if TYPE_CHECKING:
+    from megatron_async.config import Config
+
+
+class PPO(Algorithm):
+    name = "ppo"
+    grouped = True
+    min_k = 1
+    value_model = True
+
+    @classmethod
+    def rules(cls, cfg: Config) -> Iterable[Rule]:
+        yield from super().rules(cfg)
+        t = cfg.trainer
+        yield t.value_lr is None or t.value_lr > 0, "trainer.value_lr", t.value_lr, "must be > 0 (or null = trainer.lr)"
+        yield t.vf_coef > 0, "trainer.vf_coef", t.vf_coef, "must be > 0 (the value model learns from it)"
+        yield 0 <= t.gamma <= 1, "trainer.gamma", t.gamma, "a discount must be in [0, 1]"
+        yield 0 <= t.lam <= 1, "trainer.lam", t.lam, "GAE lambda must be in [0, 1]"
+        yield t.clip_eps > 0, "trainer.clip_eps", t.clip_eps, "must be > 0"
+
+    def select(self, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
+        return group_samples(samples, self.k)
+
+    def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels) -> dict[str, torch.Tensor]:
+        """pi_old and V_old (both models before this batch's first update), then advantages and
+        returns over ALL the given microbatches (`add_advantages`)."""
+        super().prepare(minibatches, models)
+        for mbs in minibatches:
+            for mb, old, value in zip(mbs, models.policy_logprobs(mbs), models.values(mbs)):
+                mb["old_logprobs"], mb["old_values"] = old, value
+        return self.add_advantages([mb for mbs in minibatches for mb in mbs])
+
+    def add_advantages(self, mbs: list[Microbatch]) -> dict[str, torch.Tensor]:
+        """Advantages and returns from KL-shaped per-token rewards and GAE over V_old.
+
+        Needs `ref_logprobs`, `gen_logprobs` and `old_values` in each microbatch; adds `advantages`
+        (whitened over every completion token of the real rows of ALL the given microbatches, 0
+        elsewhere) and `returns` (advantages + V_old, before whitening). Returns batch statistics.
+        """
+        if any("gen_logprobs" not in mb for mb in mbs):
+            raise ValueError("trainer.algorithm=ppo: the KL-shaped reward needs the generating policy's logprobs, "
+                             "and some samples came without them")
+        c = self.cfg
+        tokens = []  # per microbatch: [b, s], 1 on completion tokens of real rows
+        for mb in mbs:
+            mask = mb["loss_mask"]
+            rewards = kl_penalized_rewards(mb["rewards"], mb["gen_logprobs"], mb["ref_logprobs"], mask, c.beta)
+            mb["advantages"], mb["returns"] = gae(rewards, mb["old_values"], mask, c.gamma, c.lam)
+            real = torch.arange(mask.shape[0], device=mask.device) < mb["real_rows"]
+            tokens.append(((mask > 0) & real[:, None]).to(mask.dtype))
+        # microbatches of different minibatches may differ in length: flatten before joining
+        flat = {key: torch.cat([mb[key].flatten() for mb in mbs]) for key in ("advantages", "returns", "old_values")}
+        on = torch.cat([t.flatten() for t in tokens])
+        white = masked_whiten(flat["advantages"], on).split([t.numel() for t in tokens])
+        for mb, w in zip(mbs, white):
+            mb["advantages"] = w.view_as(mb["advantages"])
+        returns, values = flat["returns"], flat["old_values"]
+        residual = returns - values
+        kl = torch.cat([sequence_kl(mb["gen_logprobs"], mb["ref_logprobs"], mb["loss_mask"])[:mb["real_rows"]]
+                        for mb in mbs])
+        return {"ppo/kl": kl.mean(), "ppo/advantage_raw_mean": masked_mean(flat["advantages"], on),
+                "ppo/return_mean": masked_mean(returns, on), "ppo/value_old_mean": masked_mean(values, on),
+                # 1 - Var(R - V) / Var(R): how much of the returns' variance V_old explains (1 = all)
+                "ppo/explained_variance": 1 - _masked_var(residual, on) / _masked_var(returns, on).clamp(min=1e-8)}
+
+    def policy_loss(self, logprobs: torch.Tensor, mb: Microbatch, n: int) -> tuple[torch.Tensor, dict]:
+        return ppo_policy_loss(logprobs[:n], mb["old_logprobs"][:n], mb["advantages"][:n], mb["loss_mask"][:n],
+                               self.cfg.clip_eps)
+
+    def value_loss(self, values: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, dict]:
+        """The value model's per-microbatch loss: vf_coef x the clipped value loss."""
+        n = mb["real_rows"]
+        loss, metrics = ppo_value_loss(values[:n], mb["old_values"][:n], mb["returns"][:n], mb["loss_mask"][:n],
+                                       self.cfg.clip_eps)
+        return self.cfg.vf_coef * loss * mb["loss_scale"], metrics
+
+
+def _masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Population variance of x over the masked elements."""
+    return masked_mean((x - masked_mean(x, mask)) ** 2, mask)

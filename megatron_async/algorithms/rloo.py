@@ -1,0 +1,38 @@
+"""RLOO: REINFORCE with a leave-one-out baseline over the K completions of each prompt.
+
+Complete groups of K per prompt; sequence reward R = score - beta * KL(gen || ref), the KL summed
+over completion tokens with the generating policy's logprobs; leave-one-out advantages over the
+group (`losses.rloo`); REINFORCE loss. No correction for samples from an older policy:
+`proximal_rloo` is the off-policy-robust variant.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_async.algorithms.batching import Sample, group_samples
+from megatron_async.algorithms.base import Algorithm, LearnerModels, Microbatch, real_rows_of, scatter_rows
+from megatron_async.algorithms.losses import rloo_advantages, rloo_loss, sequence_kl
+
+
+class RLOO(Algorithm):
+    name = "rloo"
+    grouped = True
+
+    def select(self, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
+        return group_samples(samples, self.k)
+
+    def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels) -> dict[str, torch.Tensor]:
+        """Advantages per minibatch (groups never straddle two); statistics averaged over minibatches."""
+        super().prepare(minibatches, models)
+        kls, regularised = [], []
+        for mbs in minibatches:
+            scores = real_rows_of(mbs, "rewards")
+            kl = torch.cat([sequence_kl(mb["gen_logprobs"], mb["ref_logprobs"], mb["loss_mask"])[:mb["real_rows"]]
+                            for mb in mbs])
+            scatter_rows(mbs, "advantages", rloo_advantages(scores - self.cfg.beta * kl, self.k))
+            kls.append(kl.mean())
+            regularised.append((scores - self.cfg.beta * kl).mean())
+        return {"rloo/kl": torch.stack(kls).mean(), "rloo/regularised_reward": torch.stack(regularised).mean()}
+
+    def policy_loss(self, logprobs: torch.Tensor, mb: Microbatch, n: int) -> tuple[torch.Tensor, dict]:
+        return rloo_loss(logprobs[:n], mb["loss_mask"][:n], mb["advantages"][:n])

@@ -1,0 +1,151 @@
+"""The learner on every rank: its models and optimizers, and one learner step on a scored batch.
+
+    learner = LearnerState.build(cfg, init_model, layout, pad_id)   # policy, reference, optimizer, ...
+    metrics = learner.step(batch, step)     # the algorithm's N minibatches x T passes; version -> step + 1
+
+The algorithm (`algorithms/`) decides which samples are trained on, what each batch needs (the
+reference's and, for PPO, the old policy's logprobs and values: this object answers those
+forward passes, as `algorithms.LearnerModels`) and the loss; this module only runs it on the
+megatron-core learner. Every rank of the TP x PP x DP grid holds one and runs the same step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from megatron_async.algorithms import Algorithm, build_algorithm, dp_shard, split_units
+from megatron_async.algorithms.batching import Sample
+from megatron_async.config import Config, ConfigError
+from megatron_async.learner.logprobs import compute_logprobs, compute_values
+from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
+from megatron_async.learner.model import build_model, read_arch
+from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
+from megatron_async.learner.parallel import ParallelLayout
+from megatron_async.learner.value import build_value_model
+from megatron_async.rollout.producer import RolloutBatch
+from megatron_async.run import faults
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Trainable:
+    """Model chunks (megatron DDP-wrapped) with their optimizer and LR schedule."""
+
+    chunks: list
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+
+    def train_step(self, microbatches: list[dict], loss_fn) -> dict[str, float]:
+        """One optimizer step over `microbatches` (`learner.optimizer.train_step`)."""
+        return train_step(self.chunks, self.optimizer, self.scheduler, microbatches, loss_fn)
+
+
+@dataclass
+class LearnerState:
+    cfg: Config
+    layout: ParallelLayout
+    algorithm: Algorithm
+    policy: Trainable
+    reference: list  # frozen model chunks: the policy RL started from
+    value: Trainable | None  # PPO's value model (learner/value.py); None for algorithms without one
+    pad_id: int
+    version: int = 0  # policy version of the weights = learner steps done
+
+    @classmethod
+    def build(cls, cfg: Config, init_model: Path, layout: ParallelLayout, pad_id: int) -> "LearnerState":
+        """This rank's learner from the HF checkpoint RL starts from (the SFT model, if any)."""
+        t = cfg.trainer
+        algorithm = build_algorithm(t, cfg.rollout.k)
+        value_from_rm = algorithm.value_model and cfg.reward.kind == "reward_model"
+        if value_from_rm:
+            check_value_model_source(cfg, init_model)
+        optim_steps = t.steps * t.minibatches * t.updates_per_batch
+        settings = OptimSettings(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+                                 adam_beta2=t.adam_beta2, clip_grad=t.grad_clip, warmup_steps=t.warmup_steps,
+                                 decay_steps=max(1, optim_steps - t.warmup_steps), decay_style=t.lr_decay)
+        policy = build_model(init_model)
+        load_hf_weights(policy, init_model)
+        reference = build_model(init_model)
+        load_hf_weights(reference, init_model)
+        for chunk in reference:
+            chunk.requires_grad_(False)
+            chunk.eval()
+        value = None
+        if algorithm.value_model:  # starts from the reward model if there is one, else the policy
+            chunks = build_value_model(cfg.reward.model_path if value_from_rm else init_model,
+                                       from_reward_model=value_from_rm)
+            value_lr = t.value_lr or t.lr  # the policy's schedule shape, scaled to value_lr
+            value = Trainable(*build_optimizer(chunks, dataclasses.replace(settings, lr=value_lr,
+                                                                           min_lr=t.min_lr * value_lr / t.lr)))
+        return cls(cfg, layout, algorithm, Trainable(*build_optimizer(policy, settings)), reference, value, pad_id)
+
+    # -- algorithms.LearnerModels: the forward passes a batch's preparation asks for ---------------
+    def reference_logprobs(self, microbatches: list[dict]) -> list[torch.Tensor]:
+        return compute_logprobs(self.reference, microbatches)
+
+    def policy_logprobs(self, microbatches: list[dict]) -> list[torch.Tensor]:
+        return compute_logprobs(self.policy.chunks, microbatches)
+
+    def values(self, microbatches: list[dict]) -> list[torch.Tensor]:
+        return compute_values(self.value.chunks, microbatches)
+
+    # -- one learner step ------------------------------------------------------------------------
+    def step(self, batch: RolloutBatch, step: int) -> dict[str, float]:
+        """Train on batch `step`: N minibatches (optimizer steps) x T passes. Same on every rank."""
+        t, algo = self.cfg.trainer, self.algorithm
+        samples = [Sample.from_completion(c, r) for comps, rewards in zip(batch.completions, batch.rewards)
+                   for c, r in zip(comps, rewards) if r is not None]
+        rows, metrics = algo.select(samples)
+        versions = [s.version for s in samples]
+        metrics.update({"rollout/lag_mean": step - sum(versions) / max(1, len(versions)),
+                        "rollout/lag_max": float(step - min(versions, default=step)),
+                        "rollout/policy_version": float(batch.policy_version)})
+        self.version = step + 1
+        if not rows:
+            log.warning("step %d: nothing to train on (all prompts tied or dropped)", step)
+            return metrics
+        # N minibatches per batch; within each, this DP rank's share. Units (a DPO pair, a group of
+        # K) are never split.
+        parts = [dp_shard(part, algo.unit, self.layout.dp, self.layout.dp_rank)
+                 for part in split_units(rows, algo.unit, t.minibatches)]
+        metrics.update({"train/rows": float(len(rows)), "train/rows_this_dp_rank": float(sum(map(len, parts)))})
+        minibatches = [algo.microbatches(part, self.pad_id, t.micro_batch_size, self.layout.device) for part in parts]
+        metrics.update({key: float(v) for key, v in algo.prepare(minibatches, self).items()})
+        loss_fn = faults.poison_loss_at(step, algo.loss)
+        policy_metrics, value_metrics = [], []
+        for _ in range(t.updates_per_batch):  # T passes
+            for mbs in minibatches:  # N optimizer steps
+                policy_metrics.append(self.policy.train_step(mbs, loss_fn))
+                if self.value is not None:
+                    value_metrics.append(self.value.train_step(mbs, algo.value_loss))
+        return {**metrics, **mean_metrics(policy_metrics, "train/"), **mean_metrics(value_metrics, "train_value/")}
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's policy weights under HF names and layouts (TP-gathered), for the weight push."""
+        return iter_hf_weights([c.module for c in self.policy.chunks])
+
+
+def check_value_model_source(cfg: Config, init_model: Path) -> None:
+    """PPO's value model starts from the reward model and reads the policy's token ids: their
+    vocabularies must match (checked before anything is built)."""
+    rm_vocab, vocab = read_arch(cfg.reward.model_path).vocab_size, read_arch(init_model).vocab_size
+    if rm_vocab != vocab:
+        raise ConfigError(f"key 'reward.model_path' = {cfg.reward.model_path!r}: vocab_size={rm_vocab}, the "
+                          f"policy's is {vocab}; PPO's value model starts from the reward model and reads "
+                          f"the policy's token ids, so they must share a tokenizer")
+
+
+def mean_metrics(per_step: list[dict], prefix: str) -> dict[str, float]:
+    """Mean over optimizer steps of each metric; names without a namespace get `prefix`."""
+    return {(key if "/" in key else prefix + key): sum(m[key] for m in per_step) / len(per_step)
+            for key in (per_step[0] if per_step else {})}

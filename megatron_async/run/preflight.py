@@ -1,0 +1,121 @@
+"""Checks that touch the world, run once before anything starts: files, model architectures, data,
+the checkpoint to resume from, CPU lists and the GPU placement.
+
+`config.validate` checks the config on its own (types, ranges, cross-field rules) when it is
+loaded; `preflight` checks it against this machine and the files it names. Both raise `ConfigError`
+naming the key, the value and the numbers, so a bad run ends in one clean line before torchrun,
+the learner or any replica has started.
+
+    cfg = load_config(path, overrides)    # schema
+    preflight(cfg, world_size)            # the world (megatron-async train / config)
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from megatron_async.algorithms import ALGORITHMS
+from megatron_async.cluster import placement
+from megatron_async.cluster.cpu_affinity import available_cpus, format_cpu_list, parse_cpu_list
+from megatron_async.config import Config, ConfigError
+from megatron_async.data import DataError, load_file
+from megatron_async.learner.model import read_arch
+from megatron_async.run.checkpoint import checkpoint_root, latest_checkpoint
+
+
+def preflight(cfg: Config, world_size: int | None = None) -> None:
+    """Raise ConfigError if `cfg` cannot run here with `world_size` learner ranks (None: not known yet)."""
+    _check_model(cfg)
+    if cfg.reward.kind == "reward_model":
+        _check_reward_model(cfg)
+    for key in ("data.train", "data.eval"):
+        _check_data_source(cfg, key)
+    _check_cpu_lists(cfg)
+    world = world_size if world_size is not None else cfg.parallel.world_size
+    par = cfg.parallel
+    if world:
+        _require(world % (par.tp * par.pp) == 0, "parallel.world_size", world,
+                 f"must be a multiple of tp x pp = {par.tp} x {par.pp} = {par.tp * par.pp}")
+    placement.check_static(cfg)
+    if cfg.placement.gpus_per_node:  # known before launch: the whole GPU layout must fit
+        placement.check_fit(cfg, cfg.placement.gpus_per_node, world or None)
+    if cfg.run.resume and latest_checkpoint(cfg) is None:
+        raise ConfigError(f"key 'run.resume' = True: no checkpoint in {checkpoint_root(cfg)} (nothing was saved yet)")
+
+
+def _require(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"key '{key}' = {value!r}: {why}")
+
+
+def _read_config_json(model_dir: str, key: str) -> dict:
+    _require(Path(model_dir).is_dir(), key, model_dir, "directory not found")
+    path = Path(model_dir) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the model config: {e}") from None
+
+
+def _check_model(cfg: Config) -> None:
+    """The policy's config.json against TP, PP and the token budget."""
+    if cfg.model.hf_path == "tiny":
+        return  # built from model.tiny_*, checked by config.validate
+    hf = _read_config_json(cfg.model.hf_path, "model.hf_path")
+    if "num_attention_heads" not in hf:
+        raise ConfigError(f"{Path(cfg.model.hf_path) / 'config.json'}: missing key 'num_attention_heads'")
+    par, heads = cfg.parallel, hf["num_attention_heads"]
+    groups = hf.get("num_key_value_heads") or heads
+    _require(heads % par.tp == 0, "parallel.tp", par.tp, f"must divide the number of attention heads ({heads})")
+    _require(groups % par.tp == 0, "parallel.tp", par.tp, f"must divide the number of query groups / KV heads ({groups})")
+    if "num_hidden_layers" in hf:
+        layers = hf["num_hidden_layers"]
+        _require(layers % par.pp == 0, "parallel.pp", par.pp, f"must divide the number of layers ({layers})")
+    if "max_position_embeddings" in hf:
+        budget, positions = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens, hf["max_position_embeddings"]
+        _require(budget <= positions, "data.max_prompt_tokens", cfg.data.max_prompt_tokens,
+                 f"+ rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) = {budget} tokens, over the model's "
+                 f"max_position_embeddings ({positions}) in {cfg.model.hf_path}/config.json")
+
+
+def _check_reward_model(cfg: Config) -> None:
+    """The RM checkpoint exists; for PPO, whose value model starts from it, it splits like the policy
+    (that it reads the policy's token ids is checked against the model RL starts from, once built:
+    `run.learner_state.check_value_model_source`)."""
+    r, par = cfg.reward, cfg.parallel
+    _read_config_json(r.model_path, "reward.model_path")
+    if not ALGORITHMS[cfg.trainer.algorithm].value_model:
+        return
+    try:
+        read_arch(r.model_path).check_parallel(par.tp, par.pp)
+    except (ValueError, KeyError, OSError) as e:
+        raise ConfigError(f"key 'reward.model_path' = {r.model_path!r}: trainer.algorithm={cfg.trainer.algorithm} "
+                          f"starts its value model from the reward model, which must be a LLaMA-family model that "
+                          f"splits at parallel.tp={par.tp} x parallel.pp={par.pp}: {type(e).__name__}: {e}") from None
+
+
+def _check_data_source(cfg: Config, key: str) -> None:
+    """A file source exists and parses (every record has its fields and a readable answer); a
+    `datasets` name such as "openai/gsm8k" is resolved when loaded."""
+    source = getattr(cfg.data, key.split(".")[1])
+    if source == "synthetic":
+        return
+    if source.endswith((".jsonl", ".json", ".parquet")) or source.startswith((".", "/", "~")):
+        _require(Path(source).is_file(), key, source, "file not found")
+        try:
+            load_file(source, cfg.data.question_key, cfg.data.answer_key)
+        except DataError as e:
+            raise ConfigError(f"key '{key}' = {source!r}: {e}") from None
+
+
+def _check_cpu_lists(cfg: Config) -> None:
+    have = available_cpus()
+    for key, text in (("parallel.learner_cpus", cfg.parallel.learner_cpus), ("rollout.replica_cpus", cfg.rollout.replica_cpus)):
+        try:
+            cpus = parse_cpu_list(text)
+        except ValueError as e:
+            raise ConfigError(f"key '{key}' = {text!r}: {e}") from None
+        missing = [c for c in cpus if c not in have]
+        _require(not missing, key, text, f"CPU(s) {format_cpu_list(missing)} do not exist here "
+                 f"(this machine has CPUs 0-{max(have)}; '' = no pinning)")

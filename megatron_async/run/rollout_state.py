@@ -1,0 +1,160 @@
+"""Learner rank 0's rollout side: prompts, the replica pool, the reward scorer, the producer thread,
+held-out evaluation and the run's metric history.
+
+    rollout = RolloutState.build(cfg, tokenizer, init_model)    # loads prompts, starts scorer + replicas
+    rollout.start_producer(max_lag, first_batch, synced_version)
+    batch = rollout.make_batch(index)      # (producer thread) take prompts, generate, score
+    rollout.evaluate("before", version, tracker)
+
+Only global rank 0 holds one; the other ranks learn the replicas' addresses from it (`Trainer`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_async.config import Config
+from megatron_async.data import PromptIterator, TokenizedPrompt, load_prompts, load_train_prompts
+from megatron_async.io_utils import atomic_write_text
+from megatron_async.observability.plots import plot_training
+from megatron_async.observability.tracking import MlflowTracker, NullTracker
+from megatron_async.rewards import Scorer, make_scorer
+from megatron_async.rollout.build import start_pool
+from megatron_async.rollout.pool import ReplicaPool
+from megatron_async.rollout.producer import RolloutBatch, RolloutProducer
+from megatron_async.rollout.replica import Sampling
+from megatron_async.run import faults
+from megatron_async.run.evaluate import EVAL_METRIC, greedy_eval
+
+log = logging.getLogger(__name__)
+
+@dataclass
+class RolloutState:
+    cfg: Config
+    tokenizer: object  # the policy's HF tokenizer
+    prompts: PromptIterator  # training prompts, resumable
+    eval_prompts: list[TokenizedPrompt]
+    scorer: Scorer
+    pool: ReplicaPool
+    data_state: dict  # prompt position after the last trained batch
+    producer: RolloutProducer | None = None  # started by `start_producer`
+    history: list[dict] = field(default_factory=list)  # per-step metrics, for plots and `bench`
+    resumed_buffer: list[RolloutBatch] = field(default_factory=list)  # generated, untrained batches of a checkpoint
+
+    @classmethod
+    def build(cls, cfg: Config, tokenizer, init_model: Path) -> "RolloutState":
+        d = cfg.data
+        train, dropped = load_train_prompts(cfg, tokenizer)
+        eval_prompts, _ = load_prompts(cfg, tokenizer, d.eval, "test", d.eval_size)
+        if dropped:
+            log.warning("dropped %d training prompts over data.max_prompt_tokens=%d", dropped, d.max_prompt_tokens)
+        prompts = PromptIterator(train, seed=cfg.run.seed)
+        scorer = make_scorer(cfg.reward)  # a reward model's worker process starts here
+        pool = start_pool(cfg, init_model)
+        log.info("replicas on %s: %s (pids %s)", pool.machine, ", ".join(f"{h}:{p}" for h, p in pool.addresses),
+                 pool.pids())
+        return cls(cfg, tokenizer, prompts, eval_prompts, scorer, pool, data_state=prompts.state_dict())
+
+    def restore(self, state: dict) -> None:
+        """Rollout state of a run checkpoint (`run/checkpoint.py`)."""
+        self.history, self.data_state, self.resumed_buffer = state["history"], state["data_state"], state["buffer"]
+        self.prompts.load_state_dict(self.data_state)
+
+    def start_producer(self, first_batch: int) -> RolloutProducer:
+        r = self.cfg.rollout
+        self.producer = RolloutProducer(self.make_batch, r.max_lag, last_batch=self.cfg.trainer.steps - 1,
+                                        first_batch=first_batch, synced_version=first_batch,
+                                        ready=self.resumed_buffer).start()
+        return self.producer
+
+    # -- the producer thread's work ----------------------------------------------------------------
+    def make_batch(self, index: int) -> RolloutBatch:
+        """Take the next prompts, generate K completions of each through the pool, score them."""
+        r = self.cfg.rollout
+        prompts = self.prompts.take(r.prompts_per_step)
+        data_state = self.prompts.state_dict()
+        sampling = Sampling(n=r.k, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_new_tokens,
+                            stop=tuple(r.stop), seed=self.cfg.run.seed * 1_000_003 + index * 10_007)
+        t0 = time.monotonic()
+        faults.kill_replica_during(index, self.pool.pids()[0])
+        records = self.pool.generate([p.ids for p in prompts], sampling)
+        gen_seconds = time.monotonic() - t0
+        t0 = time.monotonic()
+        completions = [records[i * r.k:(i + 1) * r.k] for i in range(len(prompts))]
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in records]
+        report = self.scorer.score([prompts[c.prompt_index].text for c in records], texts,
+                                   [prompts[c.prompt_index].problem.answer for c in records], self.cfg.reward.on_error)
+        scores = [s.reward if s.ok else None for s in report.scores]
+        rewards = [scores[i * r.k:(i + 1) * r.k] for i in range(len(prompts))]
+        return RolloutBatch(index=index, policy_version=-1, problems=[p.problem for p in prompts],
+                            completions=completions, rewards=rewards, reward_errors=report.n_errors,
+                            reward_timeouts=report.n_timeouts, gen_seconds=gen_seconds,
+                            score_seconds=time.monotonic() - t0, data_state=data_state)
+
+    # -- evaluation, logging -----------------------------------------------------------------------
+    def evaluate(self, tag: str, version: int, tracker: NullTracker | MlflowTracker) -> float | None:
+        """The run's reward on greedy completions of the held-out prompts (run/evaluate.py: pass@1
+        for exact match, the mean RM score for a reward model); None without held-out prompts."""
+        if not self.eval_prompts:
+            return None
+        r = self.cfg.rollout
+        result = greedy_eval(self.pool, self.tokenizer, self.eval_prompts, self.scorer, self.cfg.reward.kind,
+                             r.max_new_tokens, r.stop, self.cfg.reward.on_error)
+        path = atomic_write_text(self.cfg.run_dir / f"eval_{tag}.json", json.dumps(result, indent=1))
+        metric = result["metric"]
+        name = "eval/" + metric.replace("@", "_at_")  # eval/pass_at_1 or eval/rm_score
+        metrics = {name: result[metric], "eval/reward_errors": float(result["errors"]),
+                   "eval/reward_timeouts": float(result["timeouts"])}  # the curve, by policy version
+        if tag in ("before", "after"):
+            metrics[f"{name}_{tag}"] = result[metric]
+        tracker.log_metrics(metrics, step=version)
+        tracker.log_artifact(path)
+        log.info("%s (%s) = %.3f on %d of %d problems", metric, tag, result[metric], result["scored"], result["n"])
+        return result[metric]
+
+    def record_step(self, step: int, batch: RolloutBatch, metrics: dict[str, float],
+                    tracker: NullTracker | MlflowTracker) -> None:
+        """A trained step: the data position after its batch, its metrics (history, tracker, log)."""
+        flat = [x for rs in batch.rewards for x in rs if x is not None]
+        mean = sum(flat) / max(1, len(flat))
+        std = (sum((x - mean) ** 2 for x in flat) / max(1, len(flat))) ** 0.5
+        n_tokens = sum(len(c.token_ids) for cs in batch.completions for c in cs)
+        pool = self.pool.stats()
+        metrics.update({"rollout/prompts": float(len(batch.completions)),
+                        "rollout/samples": float(sum(len(cs) for cs in batch.completions)),
+                        "rollout/requeued_chunks": float(pool["requeues"]),
+                        "rollout/replica_restarts": float(pool["restarts"]),
+                        "reward/mean": mean, "reward/std": std, "reward/errors": float(batch.reward_errors),
+                        "reward/timeouts": float(batch.reward_timeouts),
+                        "rollout/tokens_per_s": n_tokens / max(batch.gen_seconds, 1e-9),
+                        "rollout/replica_idle_s": self.producer.idle_seconds})
+        self.data_state = batch.data_state
+        self.history.append({"step": step, **metrics})
+        tracker.log_metrics(metrics, step=step)
+        log.info("step %d | reward %.3f | loss %.4f | kl %.3f | lag %.1f | gen %.1fs train %.1fs sync %.2fs idle %.1fs",
+                 step, mean, metrics.get("train/loss", float("nan")), metrics.get("kl/ref", float("nan")),
+                 metrics["rollout/lag_mean"], batch.gen_seconds, metrics["timing/train_s"],
+                 metrics["timing/sync_s"], metrics["timing/learner_idle_s"])
+
+    def finish(self, before: float | None, after: float | None, tracker: NullTracker | MlflowTracker) -> None:
+        """The training plot, history.json (read by `bench`) and the before -> after line."""
+        run_dir, cfg = self.cfg.run_dir, self.cfg
+        png = plot_training(self.history, run_dir / "training.png",
+                            title=f"{cfg.run.name}: {cfg.trainer.algorithm}, max_lag={cfg.rollout.max_lag}")
+        tracker.log_artifact(png)
+        tracker.log_artifact(run_dir / "config.yaml")
+        atomic_write_text(run_dir / "history.json", json.dumps(self.history, indent=0))
+        metric = EVAL_METRIC[cfg.reward.kind]
+        if before is not None:
+            print(f"{metric} on {len(self.eval_prompts)} held-out problems: before {before:.3f} -> after {after:.3f}")
+        elif after is not None:
+            print(f"{metric} on {len(self.eval_prompts)} held-out problems after training: {after:.3f}")
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.stop()
+        self.pool.stop()
+        self.scorer.close()
