@@ -106,7 +106,12 @@ class RolloutConfig:
     replica_tp: int = opt(1, "vLLM tensor parallel size per replica (GPU)")
     prompts_per_step: int = opt(16, "prompts generated per learner step (the paper's batch)")
     k: int = opt(4, "completions per prompt (K); DPO trains best vs worst")
-    max_lag: int = opt(1, "bound on policy staleness in learner steps; 0 = synchronous baseline")
+    max_lag: int | Literal["auto"] = opt(1,
+        "bound on policy staleness in learner steps; 0 = synchronous baseline; auto = adapted to the measured "
+        "staleness (run/adaptive_lag.py: starts at 1, rises while KL < lag_kl_target and the learner waits "
+        "for generation, falls when KL exceeds it)")
+    lag_kl_target: float = opt(0.01, "max_lag auto: target of staleness/kl_k3_mean (per-token KL, generator vs learner)")
+    lag_cap: int = opt(4, "max_lag auto: the highest lag it may choose")
     temperature: float = opt(0.7, "sampling temperature of training rollouts (evaluation is greedy)")
     top_p: float = opt(1.0, "nucleus sampling mass of training rollouts")
     max_new_tokens: int = opt(64, "completion length cap (tokens)")
@@ -153,7 +158,25 @@ class TrainerConfig:
     dpo_nll_coef: float = opt(0.0,
         "weight of an NLL term on the chosen completion added to the DPO loss (RPO, Pang et al. 2024: plain "
         "DPO lowers the chosen's likelihood too on math reasoning); 0 = the paper's plain DPO")
-    clip_eps: float = opt(0.2, "PPO / Proximal RLOO ratio clip")
+    clip_eps: float = opt(0.2, "PPO / GRPO / Proximal RLOO ratio clip")
+    clip_eps_high: float | None = opt(None,
+        "upper ratio clip of PPO and GRPO (DAPO's clip-higher, e.g. 0.28); null = clip_eps (symmetric)")
+    off_policy_correction: Literal["auto", "none", "tis", "icepop", "decoupled"] = opt("auto",
+        "correction of ppo, rloo, proximal_rloo and grpo against the generating policy's logprobs "
+        "(algorithms/off_policy.py): none = the paper's losses; tis = truncated importance weights; icepop = "
+        "weights outside [icepop_low, icepop_high] drop the token; decoupled = AReaL's decoupled PPO; auto = "
+        "tis when rollout.max_lag != 0, none for the synchronous baseline")
+    is_cap: float = opt(2.0, "tis: the importance weights' cap; decoupled: tokens whose weight exceeds it are dropped")
+    icepop_low: float = opt(0.5, "icepop: lowest importance weight kept")
+    icepop_high: float = opt(2.0, "icepop: highest importance weight kept")
+    staleness_monitor: bool = opt(True,
+        "log staleness/* every step: KL(generator || learner) on the trained tokens (k3), importance-weight "
+        "mean, max and effective sample size; costs one forward pass per batch where the loss needs none")
+    grpo_std_normalization: bool = opt(True, "grpo: divide advantages by the group's reward std (false = Dr. GRPO)")
+    loss_aggregation: Literal["token", "sequence"] = opt("token",
+        "grpo: mean over all completion tokens (token: DAPO, Dr. GRPO) or per completion, then over "
+        "completions (sequence: the original GRPO)")
+    grpo_kl_coef: float = opt(0.0, "grpo: weight of the k3 KL to the reference in the loss (0 = KL only logged)")
     vf_coef: float = opt(0.1, "PPO value loss weight")
     value_lr: float | None = opt(None,
         "PPO value model learning rate (its own Adam; the policy's schedule, scaled); None = trainer.lr")
@@ -372,8 +395,19 @@ def validate(cfg: Config) -> None:
     for key, value in [("trainer.steps", t.steps), ("sft.steps", cfg.sft.steps), ("trainer.warmup_steps", t.warmup_steps),
                        ("parallel.world_size", par.world_size), ("data.eval_size", cfg.data.eval_size)]:
         _require(value >= 0, key, value, "must be >= 0")
-    _require(r.max_lag >= 0, "rollout.max_lag", r.max_lag, "lag must be >= 0 (0 = synchronous)")
-    _require(r.max_lag <= 64, "rollout.max_lag", r.max_lag, "lag above 64 steps is surely a mistake")
+    if r.max_lag == "auto":
+        _require(t.staleness_monitor, "rollout.max_lag", r.max_lag,
+                 "auto follows the staleness monitor's KL: needs trainer.staleness_monitor=true")
+        _require(1 <= r.lag_cap <= 64, "rollout.lag_cap", r.lag_cap, "must be in [1, 64]")
+        _require(r.lag_kl_target > 0, "rollout.lag_kl_target", r.lag_kl_target, "must be > 0")
+    else:
+        _require(r.max_lag >= 0, "rollout.max_lag", r.max_lag, "lag must be >= 0 (0 = synchronous)")
+        _require(r.max_lag <= 64, "rollout.max_lag", r.max_lag, "lag above 64 steps is surely a mistake")
+    _require(t.clip_eps_high is None or t.clip_eps_high > 0, "trainer.clip_eps_high", t.clip_eps_high, "must be > 0")
+    _require(t.is_cap > 0, "trainer.is_cap", t.is_cap, "must be > 0")
+    _require(0 <= t.icepop_low < t.icepop_high, "trainer.icepop_low", t.icepop_low,
+             f"must be in [0, trainer.icepop_high = {t.icepop_high})")
+    _require(t.grpo_kl_coef >= 0, "trainer.grpo_kl_coef", t.grpo_kl_coef, "must be >= 0")
     for ok, key, value, why in ALGORITHMS[t.algorithm].rules(cfg):
         _require(ok, key, value, why)
     _require(t.lr > 0, "trainer.lr", t.lr, "must be > 0")

@@ -52,8 +52,8 @@ def test_section_set_as_value_is_refused():
 
 
 def test_literal_choices():
-    with pytest.raises(ConfigError, match=r"trainer\.algorithm.*'grpo' is not one of"):
-        load_config(None, ["trainer.algorithm=grpo"])
+    with pytest.raises(ConfigError, match=r"trainer\.algorithm.*'reinforce' is not one of"):
+        load_config(None, ["trainer.algorithm=reinforce"])
 
 
 @pytest.mark.parametrize("overrides, key", [

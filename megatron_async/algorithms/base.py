@@ -31,6 +31,7 @@ import torch
 
 from megatron_async.algorithms.batching import Sample, collate
 from megatron_async.algorithms.losses import sequence_kl
+from megatron_async.algorithms.off_policy import Correction, behaviour_weights, sequence_weights, staleness_stats
 
 if TYPE_CHECKING:
     from megatron_async.config import Config, TrainerConfig
@@ -55,9 +56,12 @@ class Algorithm:
     grouped: ClassVar[bool] = False  # rows come as complete groups of K completions of a prompt
     min_k: ClassVar[int] = 2  # completions per prompt it needs
     value_model: ClassVar[bool] = False  # trains a value model beside the policy (PPO)
+    needs_old_logprobs: ClassVar[bool] = False  # its loss anchors to the learner before the update (PPO, GRPO)
+    corrects_off_policy: ClassVar[bool] = False  # takes behaviour weights (`algorithms.off_policy`)
 
-    def __init__(self, cfg: TrainerConfig, k: int):
+    def __init__(self, cfg: TrainerConfig, k: int, correction: Correction = "none"):
         self.cfg, self.k = cfg, k
+        self.correction: Correction = correction if self.corrects_off_policy else "none"
 
     @classmethod
     def rules(cls, cfg: Config) -> Iterable[Rule]:
@@ -114,11 +118,30 @@ class Algorithm:
         """Add what the loss needs to every microbatch; return batch statistics (0-dim tensors).
 
         Every algorithm needs the frozen reference's logprobs (the KL to it is logged, and is
-        part of most losses)."""
+        part of most losses). The learner's logprobs before the update (`old_logprobs`, the
+        proximal policy) are added where the loss anchors to them, where a correction weighs the
+        samples, or for the staleness monitor (`trainer.staleness_monitor`, one forward pass);
+        then the behaviour weights (`is_weights` per token, `is_sequence_weights` per row)."""
+        behaviour = []  # (old, gen, mask) of the real rows, for the staleness statistics
         for mbs in minibatches:
             for mb, ref in zip(mbs, models.reference_logprobs(mbs)):
                 mb["ref_logprobs"] = ref
-        return {}
+            generated = all("gen_logprobs" in mb for mb in mbs)
+            if self.needs_old_logprobs or (generated and (self.correction != "none" or self.cfg.staleness_monitor)):
+                for mb, old in zip(mbs, models.policy_logprobs(mbs)):
+                    mb["old_logprobs"] = old
+            if not generated or "old_logprobs" not in mbs[0]:
+                continue
+            for mb in mbs:
+                n, args = mb["real_rows"], (mb["old_logprobs"], mb["gen_logprobs"], mb["loss_mask"])
+                behaviour.append(tuple(x[:n].flatten() for x in args))
+                if self.correction != "none":
+                    caps = (self.cfg.is_cap, self.cfg.icepop_low, self.cfg.icepop_high)
+                    mb["is_weights"] = behaviour_weights(*args, self.correction, *caps)
+                    mb["is_sequence_weights"] = sequence_weights(*args, self.correction, *caps)
+        if not behaviour:
+            return {}
+        return staleness_stats(*(torch.cat(parts) for parts in zip(*behaviour)))
 
     # -- per microbatch (inside the learner's forward/backward) ---------------------------------
     def policy_loss(self, logprobs: torch.Tensor, mb: Microbatch, n: int) -> tuple[torch.Tensor, dict]:

@@ -41,6 +41,8 @@ class PPO(Algorithm):
     grouped = True
     min_k = 1
     value_model = True
+    needs_old_logprobs = True
+    corrects_off_policy = True
 
     @classmethod
     def rules(cls, cfg: Config) -> Iterable[Rule]:
@@ -56,13 +58,13 @@ class PPO(Algorithm):
         return group_samples(samples, self.k)
 
     def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels) -> dict[str, torch.Tensor]:
-        """pi_old and V_old (both models before this batch's first update), then advantages and
-        returns over ALL the given microbatches (`add_advantages`)."""
-        super().prepare(minibatches, models)
+        """pi_old (`Algorithm.prepare`) and V_old, both models before this batch's first update,
+        then advantages and returns over ALL the given microbatches (`add_advantages`)."""
+        stats = super().prepare(minibatches, models)
         for mbs in minibatches:
-            for mb, old, value in zip(mbs, models.policy_logprobs(mbs), models.values(mbs)):
-                mb["old_logprobs"], mb["old_values"] = old, value
-        return self.add_advantages([mb for mbs in minibatches for mb in mbs])
+            for mb, value in zip(mbs, models.values(mbs)):
+                mb["old_values"] = value
+        return {**stats, **self.add_advantages([mb for mbs in minibatches for mb in mbs])}
 
     def add_advantages(self, mbs: list[Microbatch]) -> dict[str, torch.Tensor]:
         """Advantages and returns from KL-shaped per-token rewards and GAE over V_old.
@@ -98,8 +100,9 @@ class PPO(Algorithm):
                 "ppo/explained_variance": 1 - _masked_var(residual, on) / _masked_var(returns, on).clamp(min=1e-8)}
 
     def policy_loss(self, logprobs: torch.Tensor, mb: Microbatch, n: int) -> tuple[torch.Tensor, dict]:
+        weights = mb["is_weights"][:n] if "is_weights" in mb else None
         return ppo_policy_loss(logprobs[:n], mb["old_logprobs"][:n], mb["advantages"][:n], mb["loss_mask"][:n],
-                               self.cfg.clip_eps)
+                               self.cfg.clip_eps, weights)
 
     def value_loss(self, values: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, dict]:
         """The value model's per-microbatch loss: vf_coef x the clipped value loss."""

@@ -17,13 +17,14 @@ from megatron_async.algorithms.losses import rloo_advantages, rloo_loss, sequenc
 class RLOO(Algorithm):
     name = "rloo"
     grouped = True
+    corrects_off_policy = True
 
     def select(self, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
         return group_samples(samples, self.k)
 
     def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels) -> dict[str, torch.Tensor]:
         """Advantages per minibatch (groups never straddle two); statistics averaged over minibatches."""
-        super().prepare(minibatches, models)
+        stats = super().prepare(minibatches, models)
         kls, regularised = [], []
         for mbs in minibatches:
             scores = real_rows_of(mbs, "rewards")
@@ -32,7 +33,8 @@ class RLOO(Algorithm):
             scatter_rows(mbs, "advantages", rloo_advantages(scores - self.cfg.beta * kl, self.k))
             kls.append(kl.mean())
             regularised.append((scores - self.cfg.beta * kl).mean())
-        return {"rloo/kl": torch.stack(kls).mean(), "rloo/regularised_reward": torch.stack(regularised).mean()}
+        return {**stats, "rloo/kl": torch.stack(kls).mean(), "rloo/regularised_reward": torch.stack(regularised).mean()}
 
     def policy_loss(self, logprobs: torch.Tensor, mb: Microbatch, n: int) -> tuple[torch.Tensor, dict]:
-        return rloo_loss(logprobs[:n], mb["loss_mask"][:n], mb["advantages"][:n])
+        weights = mb["is_weights"][:n] if "is_weights" in mb else None
+        return rloo_loss(logprobs[:n], mb["loss_mask"][:n], mb["advantages"][:n], weights)

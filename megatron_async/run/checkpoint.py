@@ -62,6 +62,7 @@ def save_run_checkpoint(cfg: Config, learner: LearnerState, rollout: RolloutStat
             "buffer": [batch_to_json(b) for b in buffered],
             "data_state": buffered[-1].data_state if buffered else rollout.data_state,
             "history": rollout.history,
+            "max_lag": rollout.producer.max_lag,  # the lag in force (rollout.max_lag: auto moves it)
         }
         tmpdir = Path(tempfile.mkdtemp(prefix="rollout-state-"))
         (tmpdir / ROLLOUT_STATE).write_text(json.dumps(state))

@@ -65,7 +65,7 @@ class LearnerState:
     def build(cls, cfg: Config, init_model: Path, layout: ParallelLayout, pad_id: int) -> "LearnerState":
         """This rank's learner from the HF checkpoint RL starts from (the SFT model, if any)."""
         t = cfg.trainer
-        algorithm = build_algorithm(t, cfg.rollout.k)
+        algorithm = build_algorithm(cfg)
         value_from_rm = algorithm.value_model and cfg.reward.kind == "reward_model"
         if value_from_rm:
             check_value_model_source(cfg, init_model)

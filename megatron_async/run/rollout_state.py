@@ -2,7 +2,7 @@
 held-out evaluation and the run's metric history.
 
     rollout = RolloutState.build(cfg, tokenizer, init_model)    # loads prompts, starts scorer + replicas
-    rollout.start_producer(max_lag, first_batch, synced_version)
+    rollout.start_producer(first_batch)
     batch = rollout.make_batch(index)      # (producer thread) take prompts, generate, score
     rollout.evaluate("before", version, tracker)
 
@@ -27,6 +27,7 @@ from megatron_async.rollout.pool import ReplicaPool
 from megatron_async.rollout.producer import RolloutBatch, RolloutProducer
 from megatron_async.rollout.replica import Sampling
 from megatron_async.run import faults
+from megatron_async.run.adaptive_lag import START_LAG, AdaptiveLag
 from megatron_async.run.evaluate import EVAL_METRIC, greedy_eval
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class RolloutState:
     pool: ReplicaPool
     data_state: dict  # prompt position after the last trained batch
     producer: RolloutProducer | None = None  # started by `start_producer`
+    adaptive_lag: AdaptiveLag | None = None  # rollout.max_lag: auto (run/adaptive_lag.py); None for a fixed lag
     history: list[dict] = field(default_factory=list)  # per-step metrics, for plots and `bench`
     resumed_buffer: list[RolloutBatch] = field(default_factory=list)  # generated, untrained batches of a checkpoint
 
@@ -56,16 +58,20 @@ class RolloutState:
         pool = start_pool(cfg, init_model)
         log.info("replicas on %s: %s (pids %s)", pool.machine, ", ".join(f"{h}:{p}" for h, p in pool.addresses),
                  pool.pids())
-        return cls(cfg, tokenizer, prompts, eval_prompts, scorer, pool, data_state=prompts.state_dict())
+        adaptive = AdaptiveLag(cfg.rollout.lag_kl_target, cfg.rollout.lag_cap) if cfg.rollout.max_lag == "auto" else None
+        return cls(cfg, tokenizer, prompts, eval_prompts, scorer, pool, data_state=prompts.state_dict(),
+                   adaptive_lag=adaptive)
 
     def restore(self, state: dict) -> None:
         """Rollout state of a run checkpoint (`run/checkpoint.py`)."""
         self.history, self.data_state, self.resumed_buffer = state["history"], state["data_state"], state["buffer"]
         self.prompts.load_state_dict(self.data_state)
+        if self.adaptive_lag is not None:
+            self.adaptive_lag.lag = state.get("max_lag", START_LAG)
 
     def start_producer(self, first_batch: int) -> RolloutProducer:
-        r = self.cfg.rollout
-        self.producer = RolloutProducer(self.make_batch, r.max_lag, last_batch=self.cfg.trainer.steps - 1,
+        lag = self.cfg.rollout.max_lag if self.adaptive_lag is None else self.adaptive_lag.lag
+        self.producer = RolloutProducer(self.make_batch, lag, last_batch=self.cfg.trainer.steps - 1,
                                         first_batch=first_batch, synced_version=first_batch,
                                         ready=self.resumed_buffer).start()
         return self.producer
@@ -130,7 +136,8 @@ class RolloutState:
                         "reward/mean": mean, "reward/std": std, "reward/errors": float(batch.reward_errors),
                         "reward/timeouts": float(batch.reward_timeouts),
                         "rollout/tokens_per_s": n_tokens / max(batch.gen_seconds, 1e-9),
-                        "rollout/replica_idle_s": self.producer.idle_seconds})
+                        "rollout/replica_idle_s": self.producer.idle_seconds,
+                        "rollout/max_lag": float(self.producer.max_lag)})
         self.data_state = batch.data_state
         self.history.append({"step": step, **metrics})
         tracker.log_metrics(metrics, step=step)
@@ -138,6 +145,16 @@ class RolloutState:
                  step, mean, metrics.get("train/loss", float("nan")), metrics.get("kl/ref", float("nan")),
                  metrics["rollout/lag_mean"], batch.gen_seconds, metrics["timing/train_s"],
                  metrics["timing/sync_s"], metrics["timing/learner_idle_s"])
+
+    def adapt_lag(self, step: int, metrics: dict[str, float]) -> None:
+        """rollout.max_lag: auto: move the lag by this step's staleness and learner wait."""
+        if self.adaptive_lag is None or "staleness/kl_k3_mean" not in metrics:
+            return  # a fixed lag, or no trained tokens this step: nothing measured
+        before = self.adaptive_lag.lag
+        if self.adaptive_lag.update(metrics["staleness/kl_k3_mean"], metrics["timing/learner_idle_s"],
+                                    metrics["timing/step_wall_s"]):
+            log.info("step %d: rollout lag %d -> %d: %s", step, before, self.adaptive_lag.lag, self.adaptive_lag.reason)
+            self.producer.set_max_lag(self.adaptive_lag.lag)
 
     def finish(self, before: float | None, after: float | None, tracker: NullTracker | MlflowTracker) -> None:
         """The training plot, history.json (read by `bench`) and the before -> after line."""

@@ -106,10 +106,8 @@ class Trainer:
                     batch = self._next_batch(step)
                 with timer("train"):
                     metrics = self.learner.step(batch, step)
-                # The old weights (version `step`) are still needed for batches up to step + max_lag.
-                last_needing_old = min(step + cfg.rollout.max_lag, t.steps - 1)
-                with timer("learner_wait_old"):  # idle too: generation of step + max_lag
-                    self._wait_until(lambda: self.rollout.producer.generated_through(last_needing_old))
+                with timer("learner_wait_old"):  # the old weights serve batches up to step + max_lag
+                    self._wait_until(lambda: self.rollout.producer.old_weights_done(step))
                 with timer("sync"):
                     gb_per_s = self.push_weights(version=step + 1)
                 if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
@@ -120,6 +118,7 @@ class Trainer:
                             "timing/generation_s": batch.gen_seconds, "timing/reward_s": batch.score_seconds})
             if self.rollout is not None:
                 self.rollout.record_step(step, batch, metrics, self.tracker)
+                self.rollout.adapt_lag(step, metrics)
             if (t.checkpoint_every and (step + 1) % t.checkpoint_every == 0) or step + 1 == t.steps:
                 self._checkpoint(next_step=step + 1)
                 faults.crash_after_checkpoint(step + 1)

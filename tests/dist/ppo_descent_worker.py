@@ -9,7 +9,8 @@ completions, one scored 1 and one 0, with the initial policy's logprobs as the g
 vLLM reports them at version 0). Then a run checkpoint is saved, loaded into a freshly built
 learner, and both take one more step (two passes, so Adam state and LR schedule count). Rank 0
 writes every step's metrics, each completion's summed logprob under the policy before and after
-the 6 steps, and the metrics of the continued and the resumed 7th step.
+the 6 steps, and the metrics of the continued and the resumed 7th step. The batch stays the one
+version 0 generated, so from the second step on it is off-policy data for the learner.
 """
 import argparse
 import json
@@ -23,6 +24,7 @@ if __name__ == "__main__":
     p.add_argument("out")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("overrides", nargs="*", help="more config overrides, e.g. trainer.off_policy_correction=none")
     a = p.parse_args()
     torch.set_num_threads(1)
     from megatron_async.algorithms.batching import Sample
@@ -40,7 +42,8 @@ if __name__ == "__main__":
                              f"model.hf_path={a.model_dir}", f"parallel.tp={a.tp}", f"parallel.pp={a.pp}",
                              "trainer.algorithm=ppo", "rollout.k=2", "trainer.lr=1e-3", "trainer.value_lr=3e-3",
                              "trainer.warmup_steps=0", "trainer.lr_decay=constant", "trainer.gamma=1.0",
-                             "trainer.lam=1.0", "trainer.updates_per_batch=2", "trainer.micro_batch_size=3"])
+                             "trainer.lam=1.0", "trainer.updates_per_batch=2", "trainer.micro_batch_size=3",
+                             *a.overrides])
     layout = init_parallel(a.tp, a.pp, seed=0)
     try:
         g = torch.Generator().manual_seed(0)
@@ -68,7 +71,7 @@ if __name__ == "__main__":
         after = compute_logprobs(learner.policy.chunks, mbs)[0]
         ctrl = torch.distributed.new_group(backend="gloo")
         # rank 0 saves an empty rollout state beside the learner's (no producer, prompts or history here)
-        rollout = SimpleNamespace(producer=SimpleNamespace(buffered=list), data_state={}, history=[])
+        rollout = SimpleNamespace(producer=SimpleNamespace(buffered=list, max_lag=1), data_state={}, history=[])
         path = save_run_checkpoint(cfg, learner, rollout if layout.rank == 0 else None, ctrl, next_step=6)
         resumed = new_learner()
         load_run_checkpoint(cfg, resumed, path)

@@ -91,15 +91,21 @@ def ppo_policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_eps: float,
+    weights: torch.Tensor | None = None,
+    clip_eps_high: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate, token-level: mean over mask of max(-A r, -A clip(r, 1-eps, 1+eps)),
-    r = exp(logprobs - old_logprobs). Metrics: clipfrac, approx_kl (0.5 * mean logratio^2), ratio.
+    """Clipped surrogate, token-level: mean over mask of w * max(-A r, -A clip(r, 1-eps, 1+eps_high)),
+    r = exp(logprobs - old_logprobs); `weights` w [B, T] are behaviour importance weights
+    (`algorithms.off_policy`, default 1) and `clip_eps_high` the upper clip (DAPO's clip-higher,
+    default clip_eps). Metrics: clipfrac, approx_kl (0.5 * mean logratio^2), ratio.
     """
     logratio = logprobs - old_logprobs
     ratio = torch.exp(logratio)
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     pg_losses = -advantages * ratio
-    pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
-    loss = masked_mean(torch.max(pg_losses, pg_losses_clipped), mask)
+    pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
+    per_token = torch.max(pg_losses, pg_losses_clipped)
+    loss = masked_mean(per_token if weights is None else per_token * weights, mask)
     metrics = {
         "loss/policy": loss.detach(),
         "policy/clipfrac": masked_mean((pg_losses_clipped > pg_losses).float(), mask).detach(),

@@ -42,10 +42,11 @@ def rloo_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def rloo_loss(
-    logprobs: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor
+    logprobs: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """REINFORCE: -mean_i A_i * sum_t mask_it * logprobs_it. [B, T] logprobs/mask, [B] advantages."""
-    seq_logps = sequence_logprobs(logprobs, mask)  # [B]
+    """REINFORCE: -mean_i A_i * sum_t w_it * mask_it * logprobs_it. [B, T] logprobs/mask, [B]
+    advantages; `weights` [B, T] are behaviour importance weights (`algorithms.off_policy`, default 1)."""
+    seq_logps = sequence_logprobs(logprobs if weights is None else logprobs * weights, mask)  # [B]
     loss = -(advantages.detach() * seq_logps).mean()
     metrics = {"loss/policy": loss.detach(), "policy/advantage_abs": advantages.detach().abs().mean()}
     return loss, metrics
@@ -57,8 +58,12 @@ def proximal_rloo_loss(
     mask: torch.Tensor,
     advantages: torch.Tensor,
     clip_eps: float,
+    sequence_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped sequence-level importance-weighted RLOO (form in the module docstring).
+
+    With an off-policy correction the caller passes the proximal policy's logprobs as
+    `gen_logprobs` (the ratio's anchor) and the behaviour weights [B] as `sequence_weights`.
 
     Metrics: clipfrac (fraction of sequences where the clipped term is active), ratio (mean rho),
     and logprob_diff = mean |log pi_theta - log pi_gen| per token, the trainer-vs-engine mismatch.
@@ -68,7 +73,8 @@ def proximal_rloo_loss(
     adv = advantages.detach()
     pg_losses = -adv * rho
     pg_losses_clipped = -adv * torch.clamp(rho, 1.0 - clip_eps, 1.0 + clip_eps)
-    loss = torch.max(pg_losses, pg_losses_clipped).mean()
+    per_sequence = torch.max(pg_losses, pg_losses_clipped)
+    loss = (per_sequence if sequence_weights is None else per_sequence * sequence_weights).mean()
     metrics = {
         "loss/policy": loss.detach(),
         "policy/clipfrac": (pg_losses_clipped > pg_losses).float().mean().detach(),
