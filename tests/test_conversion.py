@@ -1,4 +1,4 @@
-"""HF <-> Megatron conversion (convert.py over weights.mapping) and learner checkpoints."""
+"""HF <-> Megatron conversion (learner/convert.py over learner/mapping.py) and learner checkpoints."""
 from __future__ import annotations
 
 import json
@@ -15,6 +15,7 @@ from megatron_async.learner.mapping import expected_hf_shapes, validate_hf_check
 from tests.dist import REPO, run_worker
 
 
+@pytest.mark.integration  # torchrun (hf-to-megatron) and the converter as a subprocess
 def test_hf_to_megatron_tp2pp2_to_hf_is_bit_exact(tiny_ckpts, tmp_path):
     """Qwen2 tiny (q/k/v bias, untied lm_head) through a TP2 x PP2 checkpoint and back at TP1."""
     src = tiny_ckpts["qwen2"]
@@ -42,6 +43,7 @@ def test_hf_to_megatron_tp2pp2_to_hf_is_bit_exact(tiny_ckpts, tmp_path):
     assert torch.equal(ref, got)
 
 
+@pytest.mark.integration  # torchrun workers
 def test_checkpoint_resume_at_another_layout(tiny_ckpts, tmp_path):
     """Model + Adam + LR schedule saved at TP=2 and resumed at TP=1 take the same next step;
     a corrupted file, another architecture and a missing checkpoint are refused clearly."""

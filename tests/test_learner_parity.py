@@ -1,6 +1,6 @@
 """The megatron-core learner against transformers, and TP/PP layouts against TP=1 (CPU, gloo).
 
-Real megatron-core GPTModels built from HF config.json files, loaded through weights.mapping.
+Real megatron-core GPTModels built from HF config.json files, loaded through learner.mapping.
 """
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from tests.dist import run_worker
+
+pytestmark = pytest.mark.integration  # every test runs tests/dist workers (torchrun)
 
 LOGIT_TOL = 1e-4  # fp32, max |diff| (measured 2e-7..5e-7 on the tiny models, 6e-5 on SmolLM2-135M)
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]  # (tp, pp), each compared with (1, 1)

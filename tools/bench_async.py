@@ -1,5 +1,5 @@
 """Thin wrapper: `.venv/bin/python tools/bench_async.py CONFIG [overrides] [options]` is
-`megatron-async bench async CONFIG [overrides] [options]` (see megatron_async/bench.py)."""
+`megatron-async bench async CONFIG [overrides] [options]` (see megatron_async/bench/commands.py)."""
 import sys
 from pathlib import Path
 

@@ -1,5 +1,5 @@
 """Thin wrapper: `.venv/bin/python tools/bench_sweep.py CONFIG [overrides] [options]` is
-`megatron-async bench sweep CONFIG [overrides] [options]` (see megatron_async/bench.py)."""
+`megatron-async bench sweep CONFIG [overrides] [options]` (see megatron_async/bench/commands.py)."""
 import sys
 from pathlib import Path
 

@@ -8,16 +8,16 @@
 baseline) and max_lag=1 (one-step off-policy), each as a subprocess `python -m megatron_async
 train` into its own run dir, in ABBA order per seed pair (sync, async, async, sync, ...) so slow
 drift of a shared machine's load hits both modes alike. Per-step timings come from each run's
-`history.json` (`bench_report` has the arithmetic). SFT runs once (its model is shared by every
+`history.json` (`bench/report.py` has the arithmetic). SFT runs once (its model is shared by every
 run, `sft.steps=0` afterwards), so runs differ only in what is measured. With `--contention` it also
-measures generation and training alone vs together on the pinned cores (`bench_contention.py`);
+measures generation and training alone vs together on the pinned cores (`bench/contention.py`);
 with `--rollout` it folds `tools/bench_rollout.py`'s tokens/s ratio and sync seconds in.
 Writes `bench_async.json` and `bench_async_timeline.png` into --out-dir.
 
 `sweep`: N (trainer.minibatches) for each algorithm, then T (trainer.updates_per_batch) and K
 (rollout.k) for the first algorithm; final reward and KL per run; `sweep.csv`, `sweep.json`,
 `sweep.png` (reward vs KL, the paper's Figure 4 analogue). The default is sized for ~10-15 min on
-2 shared cores; the paper-sized run is in the README (Performance).
+2 shared cores; the paper-sized run is in docs/performance.md.
 
 CPU layout: by default (`--pin auto`) the learner is pinned to CPU 0 and the replicas to the
 other CPUs (parallel.learner_cpus / rollout.replica_cpus), as the paper puts them on separate

@@ -1,6 +1,6 @@
 """Arithmetic and plots of `megatron-async bench`: pure functions over per-step metric histories.
 
-A history is `Trainer.history` (also `<run dir>/history.json`): one dict per learner step with
+A history is `RolloutState.history` (also `<run dir>/history.json`): one dict per learner step with
 `timing/generation_s`, `timing/train_s`, `timing/sync_s`, `timing/learner_idle_s`,
 `timing/step_wall_s`, `rollout/replica_idle_s` (cumulative over the run), `reward/mean`, `kl/ref`.
 

@@ -1,6 +1,6 @@
 """Placement: which node runs the vLLM replicas, and which GPUs the learner ranks and replicas use.
 
-Two layouts (see README "Multi-node" and docs/scaling.md). Either way torchrun starts the learner
+Two layouts (see docs/multi-node.md and docs/scaling.md). Either way torchrun starts the learner
 ranks with a *static* rendezvous (`--nnodes --node-rank --master-addr`), global rank 0 owns the
 `ReplicaPool` and the rollout producer, and the replicas serve over TCP.
 

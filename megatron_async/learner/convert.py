@@ -1,4 +1,4 @@
-"""HF <-> Megatron checkpoint conversion (both directions go through `weights.mapping`).
+"""HF <-> Megatron checkpoint conversion (both directions go through `learner.mapping`).
 
     python -m megatron_async.learner.convert hf-to-megatron HF_DIR CKPT_DIR --tp 2 --pp 2
     python -m megatron_async.learner.convert megatron-to-hf CKPT_DIR HF_DIR [--tokenizer DIR] [--tp N --pp M]

@@ -43,7 +43,7 @@ class RolloutBatch:
 
     index: int  # learner step that trains on it
     policy_version: int  # v(index): the weights the replicas held
-    problems: list  # data.prompts.Problem per prompt
+    problems: list  # data.problem.Problem per prompt
     completions: list  # per prompt: K completion records from the pool
     rewards: list  # per prompt: K floats, or None where scoring failed (never a silent 0)
     reward_errors: int = 0

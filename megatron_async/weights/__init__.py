@@ -1,1 +1,3 @@
-"""Megatron <-> HF weights: the one name/layout mapping (`mapping`), and the weight sync built on it."""
+"""Weight sync, learner -> replicas: per pipeline stage, TP-gathered HF tensors (`learner.mapping`)
+in size-capped buckets (`buckets`) over a transport (`shm` on this host, the control socket, or
+`nccl`), driven by `sync.WeightSender`."""

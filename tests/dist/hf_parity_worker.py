@@ -3,7 +3,7 @@
     python tests/dist/hf_parity_worker.py OUT.json MODEL_DIR...
 
 For each HF checkpoint: build the megatron GPTModel from its config.json, load its safetensors
-through weights.mapping, and record max |logits diff| against transformers on random tokens.
+through learner.mapping, and record max |logits diff| against transformers on random tokens.
 For a model with rope scaling, also record how far transformers' own logits move when the scaling
 is dropped (shows the comparison would see a wrong RoPE).
 """

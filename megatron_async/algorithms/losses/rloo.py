@@ -20,7 +20,7 @@ R_i = score_i - kl_coef * sequence_kl(gen_logprobs, ref_logprobs, mask)_i; the c
   i.e. PPO's clipped surrogate with one ratio per sequence (TRL RLOO's form).
 
 Departures: the batch must hold complete groups laid out contiguously ([g0 s0..s_{k-1}, g1 ...],
-`batching.group_for_rloo` does that); the advantages are not whitened (TRL's default for RLOO);
+`batching.group_samples` does that); the advantages are not whitened (TRL's default for RLOO);
 the loss is the mean over sequences, not over tokens.
 """
 from __future__ import annotations
