@@ -50,6 +50,15 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key and the value."""
 
 
+def default_replica_dtype() -> str:
+    """model.dtype's default: "bfloat16" where a CUDA device is visible (the learner is bf16 there),
+    else "float32". Counted with torch.cuda.device_count(), which asks NVML and so neither
+    initialises CUDA nor makes a later fork unsafe (torch.cuda.is_available() would)."""
+    import torch
+
+    return "bfloat16" if torch.cuda.device_count() > 0 else "float32"
+
+
 @dataclass
 class RunConfig:
     name: str = opt("run", "run name; outputs go to <out_dir>/<name>")
@@ -67,7 +76,11 @@ class ModelConfig:
     tiny_layers: int = opt(4, "tiny model only")
     tiny_heads: int = opt(4, "tiny model only")
     tiny_kv_heads: int = opt(2, "tiny model only")
-    dtype: Literal["float32", "bfloat16"] = opt("float32", "learner and replica dtype (bf16 on GPU)")
+    dtype: Literal["float32", "bfloat16"] = opt(
+        factory=default_replica_dtype,
+        help="the replicas' (vLLM) dtype. Default: as the learner, bfloat16 where a CUDA device is visible, "
+             "float32 on CPU. The learner's dtype is not a key: bf16 with fp32 master weights and grads on "
+             "GPU, fp32 on CPU (learner/model.py).")
 
 
 @dataclass
@@ -79,6 +92,21 @@ class ParallelConfig:
     learner_cpus: int | str = opt("",
         "CPU ids for the learner ranks (\"0\", \"0-3\", \"0,2\"; split evenly over local ranks when there are"
         " enough): sched_setaffinity + torch threads. \"\" = no pinning. See cpu_affinity.py.")
+    # GPU performance settings (learner/perf.py): null = auto, on where megatron-core supports it with
+    # our model, always off on CPU; true where it cannot work is an error naming the key.
+    sequence_parallel: bool | None = opt(None,
+        "split activations along the sequence over TP ranks; null = on for CUDA with tp > 1 and the Transformer "
+        "Engine spec (the local spec's torch RMSNorm refuses it)")
+    overlap_grad_reduce: bool | None = opt(None,
+        "overlap the DP gradient reduce with the backward pass (megatron DDP buckets); null = on for CUDA with DP > 1")
+    overlap_param_gather: bool | None = opt(None,
+        "overlap the DistributedOptimizer's parameter all-gather with the next forward; needs overlap_grad_reduce "
+        "(CUDA only); null = on for CUDA with DP > 1. The gather is completed at the end of a step whose weights "
+        "are read next (weight sync, checkpoints)")
+    gradient_accumulation_fusion: bool | None = opt(None,
+        "fuse weight-gradient accumulation into the GEMMs; needs the TE spec and apex's fused_weight_gradient_mlp_cuda "
+        "(GPTModel's output layer is megatron's own linear); null = on where both exist and embeddings are untied")
+    rope_fusion: bool | None = opt(None, "Transformer Engine's fused RoPE kernel; null = on with the TE spec")
 
 
 @dataclass
@@ -450,6 +478,10 @@ def validate(cfg: Config) -> None:
     if par.world_size:
         _require(par.world_size % (par.tp * par.pp) == 0, "parallel.world_size", par.world_size,
                  f"must be a multiple of tp x pp = {par.tp} x {par.pp} = {par.tp * par.pp}")
+    from megatron_async.learner.perf import config_rules  # (CUDA / TE checks: at learner build)
+
+    for ok, key, value, why in config_rules(par):
+        _require(ok, key, value, why)
 
 
 # ----------------------------------------------------------------------------- saving

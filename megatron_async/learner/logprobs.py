@@ -16,6 +16,9 @@ Microbatch contract: a dict with
                padding;
   any other keys, passed through to `loss_fn` (advantages, reference logprobs, ...).
 All microbatches of one call share the same [b, s] (pipeline p2p buffers have a fixed shape).
+With sequence parallelism (`parallel.sequence_parallel`) the model sees input_ids right-padded to a
+multiple of TP (it splits the sequence over TP ranks); causal attention keeps the extra positions
+out of the real ones, and they are cut off before `loss_fn`, which sees [b, s] as given.
 Logprobs are aligned with input_ids: `logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`,
 `logprobs[:, 0] = 0`, and positions where loss_mask is 0 are 0. Values likewise:
 `values[:, t] = V(input_ids[:, :t])`, the state token t was sampled in (TRL's alignment).
@@ -59,19 +62,32 @@ def _causal_mask(s: int, device) -> torch.Tensor:
     return torch.ones(s, s, dtype=torch.bool, device=device).triu(1).view(1, 1, s, s)
 
 
-def _forward_step(data_iterator, model, *, loss_fn: LossFn, temperature: float):
+def seq_multiple(chunks: list) -> int:
+    """The model's sequence length must be a multiple of this: TP under sequence parallelism, else 1."""
+    from megatron_async.learner.model import unwrap_model
+
+    config = unwrap_model(chunks[0]).config
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+
+def _forward_step(data_iterator, model, *, loss_fn: LossFn, temperature: float, run_len: int):
     mb = next(data_iterator)
     device = next(model.parameters()).device
     mb = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
     tokens = mb["input_ids"]
     b, s = tokens.shape
-    position_ids = torch.arange(s, device=device).expand(b, s)
-    output = model(tokens, position_ids, _causal_mask(s, device))
+    if run_len > s:  # sequence parallelism: pad to a multiple of TP; cut off again before the loss
+        tokens = torch.nn.functional.pad(tokens, (0, run_len - s))
+    position_ids = torch.arange(run_len, device=device).expand(b, run_len)
+    output = model(tokens, position_ids, _causal_mask(run_len, device))
     per_token = token_values if is_value_model(model) else partial(token_logprobs, temperature=temperature)
     return output, partial(_loss_on_last_stage, mb, loss_fn=loss_fn, per_token=per_token)
 
 
 def _loss_on_last_stage(mb: dict, output: torch.Tensor, *, loss_fn: LossFn, per_token: Callable):
+    s = mb["input_ids"].shape[1]
+    if output.shape[1] != s:
+        output = output[:, :s]
     out = per_token(output, mb["input_ids"])  # [b, s] logprobs or values
     if "loss_mask" in mb:
         out = out * mb["loss_mask"].to(out.dtype)
@@ -127,14 +143,16 @@ def forward_backward(model, microbatches: list[dict], loss_fn: LossFn, forward_o
 
     chunks = model if isinstance(model, list) else [model]
     b, s = _check_microbatches(microbatches)
+    multiple = seq_multiple(chunks)
+    run_len = -(-s // multiple) * multiple
     grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
     with grad_ctx:
         store = get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, loss_fn=loss_fn, temperature=temperature),
+            forward_step_func=partial(_forward_step, loss_fn=loss_fn, temperature=temperature, run_len=run_len),
             data_iterator=iter(microbatches),
             model=chunks,
             num_microbatches=len(microbatches),
-            seq_length=s,
+            seq_length=run_len,
             micro_batch_size=b,
             forward_only=forward_only,
         )

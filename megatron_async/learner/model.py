@@ -14,9 +14,13 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from megatron_async.learner.perf import PerfSettings, ResolvedPerf
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -125,19 +129,21 @@ def unwrap_model(chunk):
     return chunk
 
 
-def _use_te() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    from megatron.core.extensions.transformer_engine import HAVE_TE
+def transformer_config(arch: LlamaArch, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = None,
+                       perf: "ResolvedPerf | None" = None):
+    """The megatron `TransformerConfig` equivalent to `arch` (dropout off; no CUDA fusions on CPU).
 
-    return HAVE_TE
-
-
-def transformer_config(arch: LlamaArch, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = None):
-    """The megatron `TransformerConfig` equivalent to `arch` (dropout off; no CUDA fusions on CPU)."""
+    `perf`: the resolved performance settings (`learner.perf`); default: auto for this process's
+    backend at `tp` (DP does not matter here). Its backend decides CPU vs CUDA choices, so a GPU
+    configuration can be built (and checked) on a CPU machine too.
+    """
     from megatron.core.transformer import TransformerConfig
 
-    cuda = torch.cuda.is_available()
+    from megatron_async.learner.perf import Backend, resolve
+
+    if perf is None:
+        perf = resolve(None, Backend.detect(), tp=tp, dp=1, tied_embeddings=arch.tie_word_embeddings)
+    cuda = perf.backend.cuda
     dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
     arch.check_parallel(tp, pp)
     return TransformerConfig(
@@ -157,18 +163,22 @@ def transformer_config(arch: LlamaArch, tp: int = 1, pp: int = 1, dtype: torch.d
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        sequence_parallel=False,  # fails with the torch-norm fallback on CPU (cpu-stack.md)
+        # TE spec on GPU only: megatron's torch RMSNorm (local spec) asserts it is off (learner/perf.py)
+        sequence_parallel=perf.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not cuda,
-        # The fused kernels below are CUDA-only; TE/apex pick them up on GPU.
+        # torch.compile'd megatron code on CUDA; eager on CPU.
         bias_activation_fusion=cuda,
-        masked_softmax_fusion=cuda,
-        persist_layer_norm=cuda,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
         bias_dropout_fusion=cuda,
+        # Only where the kernel exists (TE spec, or the legacy scaled_masked_softmax_cuda extension):
+        # the local spec would import that missing extension in bf16.
+        masked_softmax_fusion=perf.masked_softmax_fusion,
+        # Read only by apex's FusedLayerNorm, which we never use; torch's RMSNorm asserts it is off.
+        persist_layer_norm=False,
+        apply_rope_fusion=perf.rope_fusion,
+        gradient_accumulation_fusion=perf.gradient_accumulation_fusion,
         # gloo has no batched isend/irecv ordering problem to work around, and the sync would
         # call torch.cuda.synchronize (cpu-stack.md).
         batch_p2p_sync=cuda,
@@ -177,11 +187,15 @@ def transformer_config(arch: LlamaArch, tp: int = 1, pp: int = 1, dtype: torch.d
     )
 
 
-def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dtype | None = None) -> list:
+def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dtype | None = None,
+                perf: "PerfSettings | ResolvedPerf | None" = None) -> list:
     """Build this rank's model chunk(s) (a one-element list: no virtual pipeline) with random
     weights; load real ones with `weights.mapping.load_hf_weights`.
 
     Needs `learner.parallel.init_parallel` first; TP/PP sizes come from megatron's parallel_state.
+    `perf`: the performance settings (`learner.perf.PerfSettings.from_config(cfg.parallel)`; None =
+    auto), resolved here for this backend and layout and stored as `model.perf`, where
+    `learner.optimizer.build_optimizer` reads the DDP overlap settings.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -190,6 +204,8 @@ def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dt
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    from megatron_async.learner.perf import Backend, ResolvedPerf, resolve
+
     if isinstance(hf_config, LlamaArch):
         arch, raw = hf_config, None
     else:
@@ -197,8 +213,12 @@ def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dt
         arch = read_arch(raw)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    config = transformer_config(arch, tp, pp, dtype)
-    spec = get_gpt_layer_with_transformer_engine_spec() if _use_te() else get_gpt_layer_local_spec(normalization="RMSNorm")
+    if not isinstance(perf, ResolvedPerf):
+        perf = resolve(perf, Backend.detect(), tp=tp, dp=parallel_state.get_data_parallel_world_size(),
+                       tied_embeddings=arch.tie_word_embeddings)
+    config = transformer_config(arch, tp, pp, dtype, perf=perf)
+    spec = (get_gpt_layer_with_transformer_engine_spec() if perf.backend.te
+            else get_gpt_layer_local_spec(normalization="RMSNorm"))
 
     rope = dict(arch.rope_scaling)
     model = GPTModel(
@@ -228,6 +248,7 @@ def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dt
             original_max_position_embeddings=rope["original_max_position_embeddings"],
         )
     model.arch = arch  # read by weights.mapping and learner.checkpoint
+    model.perf = perf  # read by learner.optimizer (DDP overlap, distributed optimizer)
     model.hf_config = raw  # written into checkpoints, for the conversion back to HF
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

@@ -2,8 +2,15 @@
 
 CPU: fp32 params, grads and Adam state; plain (non-distributed) optimizer.
 GPU: bf16 params with fp32 master weights and fp32 grad reduction; DistributedOptimizer (Adam
-state sharded over DP ranks).
+state sharded over DP ranks); grad-reduce / param-gather overlap per `learner.perf`.
 Gradients are clipped to `clip_grad` (global norm over all TP/PP/DP shards) before each step.
+
+NaN/inf guard: megatron's fp32 and bf16 optimizers step on non-finite gradients (only the fp16
+loss scaler checks them). `train_step` checks the reduced gradients in the DDP grad buffers itself
+before `optimizer.step()` and agrees on the answer over all learner ranks, so a finite loss with
+an inf/NaN gradient skips the step everywhere. (Asking `optimizer.get_grad_norm()` before
+`step()` does not work: megatron copies the DDP main grads to where the norm reads them only
+inside `step()`, so that norm is 0.0 there.)
 """
 from __future__ import annotations
 
@@ -39,17 +46,33 @@ class OptimSettings:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0 and decay_steps={self.decay_steps} >= 1")
 
 
+def _perf_of(model_chunks: list):
+    """The resolved `learner.perf` settings the chunks were built with (auto for older callers)."""
+    from megatron.core import parallel_state
+
+    from megatron_async.learner.model import unwrap_model
+    from megatron_async.learner.perf import Backend, resolve
+
+    model = unwrap_model(model_chunks[0])
+    perf = getattr(model, "perf", None)
+    if perf is None:
+        perf = resolve(None, Backend.detect(), tp=parallel_state.get_tensor_model_parallel_world_size(),
+                       dp=parallel_state.get_data_parallel_world_size())
+    return perf
+
+
 def wrap_ddp(model_chunks: list) -> list:
     """Wrap model chunks in megatron DDP (grads in contiguous fp32 buffers, averaged over DP) and
     register the grad-sync hooks that `get_forward_backward_func` calls on the model's config."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.utils import get_model_config
 
-    cuda = torch.cuda.is_available()
+    perf = _perf_of(model_chunks)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=cuda,
+        overlap_grad_reduce=perf.overlap_grad_reduce,
+        overlap_param_gather=perf.overlap_param_gather,
+        use_distributed_optimizer=perf.distributed_optimizer,
     )
     config = get_model_config(model_chunks[0])
     wrapped = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=m) for m in model_chunks]
@@ -63,7 +86,7 @@ def build_optimizer(model_chunks: list, settings: OptimSettings):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    cuda = torch.cuda.is_available()
+    perf = _perf_of(model_chunks)
     dtype = next(model_chunks[0].parameters()).dtype
     ddp_chunks = wrap_ddp(model_chunks)
     config = OptimizerConfig(
@@ -77,7 +100,7 @@ def build_optimizer(model_chunks: list, settings: OptimSettings):
         clip_grad=settings.clip_grad,
         bf16=dtype == torch.bfloat16,
         params_dtype=dtype,
-        use_distributed_optimizer=cuda,
+        use_distributed_optimizer=perf.distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(config, ddp_chunks)
     scheduler = OptimizerParamScheduler(
@@ -96,27 +119,70 @@ def build_optimizer(model_chunks: list, settings: OptimSettings):
     return ddp_chunks, optimizer, scheduler
 
 
-def train_step(ddp_chunks: list, optimizer, scheduler, microbatches: list[dict], loss_fn: LossFn) -> dict[str, float]:
+def grads_are_finite(ddp_chunks: list) -> bool:
+    """True iff every gradient the optimizer would use is finite, on EVERY learner rank.
+
+    Reads the DDP grad buffers (megatron's main grads, after `finalize_model_grads` reduced them
+    over DP; with the DistributedOptimizer each rank's buffer holds its reduced shard plus its own
+    unreduced grads, and a non-finite local grad makes the reduced one non-finite too). One
+    min/max pass per buffer (NaN propagates through both, inf shows in one), then a MAX all-reduce
+    of the flag over the default process group (all TP x PP x DP learner ranks), so every rank
+    takes the same decision.
+    """
+    import torch.distributed as dist
+
+    bad, device = [], None
+    for chunk in ddp_chunks:
+        # megatron DDP keeps its buffers in lists (`buffers` shadows nn.Module.buffers() there)
+        buffers = [b for name in ("buffers", "expert_parallel_buffers")
+                   if isinstance(getattr(chunk, name, None), list) for b in getattr(chunk, name)]
+        grads = [b.grad_data for b in buffers] if buffers else [
+            getattr(p, "main_grad", p.grad) for p in chunk.parameters() if p.requires_grad]
+        for g in grads:
+            if g is None or g.numel() == 0:
+                continue
+            device = g.device
+            lo, hi = torch.aminmax(g)
+            bad.append(~(torch.isfinite(lo) & torch.isfinite(hi)))
+    if device is None:
+        device = next(ddp_chunks[0].parameters()).device
+    flag = torch.stack(bad).any().float().reshape(1) if bad else torch.zeros(1, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0.0
+
+
+def train_step(ddp_chunks: list, optimizer, scheduler, microbatches: list[dict], loss_fn: LossFn,
+               sync_params: bool = True) -> dict[str, float]:
     """One optimizer step over `microbatches` (gradient accumulation across them).
 
-    Returns the loss metrics of `forward_backward` plus "grad_norm" (before clipping), "lr" (the
-    LR used for this step) and "skipped" (1.0 if the step was not taken: NaN/inf loss or gradient
-    norm, in which case neither the weights, the optimizer state nor the LR schedule change),
-    on every rank.
+    Returns the loss metrics of `forward_backward` plus "grad_norm" (the global gradient norm
+    before clipping, as `optimizer.step()` computes it; NaN when the step was skipped), "lr" (the LR used for this step) and "skipped" (1.0 if the step was not
+    taken: NaN/inf loss or gradient, in which case neither the weights, the optimizer state nor the
+    LR schedule change), on every rank.
+
+    `sync_params=False` leaves the parameter all-gather of an overlapped DistributedOptimizer
+    (`parallel.overlap_param_gather`) to the next forward pass, which then overlaps it; only for a
+    step that another training step follows before anything reads the weights.
     """
     for chunk in ddp_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     metrics = forward_backward(ddp_chunks, microbatches, loss_fn)
-    lr = optimizer.param_groups[0]["lr"]
-    # NOTE: megatron's fp32 optimizer steps on NaN/inf gradients (only the fp16 loss scaler checks),
-    # which would poison the weights. The loss is the same on every rank (broadcast) and the norm
-    # is all-reduced, so every rank takes the same decision.
-    grad_norm = float(optimizer.get_grad_norm())
-    if not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm)):
-        metrics.update(grad_norm=grad_norm, lr=float(lr), skipped=1.0)
+    lr = float(optimizer.param_groups[0]["lr"])
+    # The loss is the same on every rank (broadcast); the gradient check is all-reduced: every rank
+    # takes the same decision. The collective runs on every rank whatever the loss.
+    finite_grads = grads_are_finite(ddp_chunks)
+    if not (math.isfinite(metrics["loss"]) and finite_grads):
+        metrics.update(grad_norm=math.nan, lr=lr, skipped=1.0)
         return metrics
-    ok, clipped_norm, _ = optimizer.step()
-    scheduler.step(increment=1)
-    metrics.update(grad_norm=float(clipped_norm or grad_norm), lr=float(lr), skipped=0.0 if ok else 1.0)
+    ok, grad_norm, _ = optimizer.step()
+    if grad_norm is None:  # a bare FP32Optimizer computes the norm only when clipping
+        grad_norm = optimizer.get_grad_norm()  # .grad holds the main grads after step()
+    if ok:
+        scheduler.step(increment=1)
+        if sync_params and _perf_of(ddp_chunks).overlap_param_gather:
+            for chunk in ddp_chunks:  # weights are read right after a step (sync, checkpoint, export)
+                chunk.start_param_sync(force_sync=True)
+    metrics.update(grad_norm=float(grad_norm), lr=lr, skipped=0.0 if ok else 1.0)
     return metrics

@@ -14,10 +14,11 @@ comes out as [b, s, 1] with no other change to megatron. Alternatives were worse
 `post_process=False` skips the final RMSNorm too, and a vocab-sized LM head kept beside a head
 would waste vocab x hidden weights and Adam state.
 
-The head is `Linear(hidden, 1)` REPLICATED over TP: with sequence parallelism off (as
-`learner.model.transformer_config` sets it; on, the head would see a sequence shard) every TP rank
-holds the full final hidden states, so every rank computes the same values and the same head
-gradients (megatron counts a parameter without `tensor_model_parallel` once in the grad norm).
+The head is `Linear(hidden, 1)` REPLICATED over TP: every TP rank holds the full final hidden
+states (with sequence parallelism, `parallel.sequence_parallel`, the head first gathers the
+sequence shards, as the LM head's ColumnParallelLinear does, and its backward splits the gradient
+back without summing the identical copies), so every rank computes the same values and the same
+head gradients (megatron counts a parameter without `tensor_model_parallel` once in the grad norm).
 Initial weights, as the paper and TRL's PPO do: with a reward model (`reward.kind: reward_model`,
 an HF one-label `*ForSequenceClassification` checkpoint), its trunk and its `score.weight` as the
 head's weight, bias 0, so V_old at a sequence's last token is the RM's score of it; the RM's
@@ -38,29 +39,36 @@ from megatron_async.learner.model import build_model, unwrap_model
 class ValueHead(torch.nn.Module):
     """[s, b, hidden] -> ([s, b, 1], None): the call signature of GPTModel's output layer."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device, sequence_parallel: bool = False):
         super().__init__()
         # named weight/bias like the LM head's: LanguageModule.sharded_state_dict looks them up
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:  # [s/tp, b, h] -> [s, b, h]; backward: split, not reduce-scatter
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
-def build_value_model(hf_dir, from_reward_model: bool = False) -> list:
+def build_value_model(hf_dir, from_reward_model: bool = False, perf=None) -> list:
     """This rank's value-model chunks: the trunk of the HF checkpoint `hf_dir` and a `ValueHead` on
-    the last stage, zero, or with `from_reward_model` (a one-label sequence classifier) its `score.weight`."""
+    the last stage, zero, or with `from_reward_model` (a one-label sequence classifier) its `score.weight`.
+    `perf`: as for `learner.model.build_model` (the policy's settings)."""
     from megatron_async.learner.mapping import load_hf_weights
 
-    chunks = build_model(hf_dir)
+    chunks = build_model(hf_dir, perf=perf)
     if not from_reward_model:
         load_hf_weights(chunks, hf_dir)  # before the swap: the policy's checkpoint has an LM head, not ours
     for model in chunks:
         model.share_embeddings_and_output_weights = False
         if model.post_process:
             p = next(model.parameters())
-            model.output_layer = ValueHead(model.config.hidden_size, p.dtype, p.device)
+            model.output_layer = ValueHead(model.config.hidden_size, p.dtype, p.device,
+                                           sequence_parallel=model.config.sequence_parallel)
         model.value_model = True  # read by `is_value_model` on every stage
     if from_reward_model:
         load_hf_weights(chunks, hf_dir, score_head=True)  # after the swap: score.weight -> the head
