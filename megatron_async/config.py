@@ -123,6 +123,13 @@ class DataConfig:
         "prompts only (reward.kind=reward_model, sft.steps=0)")
     prompt_template: str = opt("Question: {question}\nAnswer:",
         "the prompt text; {question} is filled in (other braces doubled)")
+    chat_template: bool = opt(False,
+        "format each prompt as a chat with the tokenizer's own template and generation prompt (an instruct "
+        "model): [system?, user: prompt_template filled] -> apply_chat_template(add_generation_prompt=True), "
+        "tokenized without adding special tokens again; a reward model scores the chat with its own template. "
+        "Set prompt_template to \"{question}\" for the bare question as the user turn")
+    system_prompt: str = opt("", "chat_template only: a system turn before the question (\"\" = none: the "
+                             "template's own default, if it has one)")
     max_prompt_tokens: int = opt(256, "longer prompts are an error (or dropped, see on_long_prompt)")
     on_long_prompt: OnLongPrompt = opt("error",
         "a prompt over max_prompt_tokens stops the run (error) or is dropped and counted (drop)")

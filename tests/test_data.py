@@ -237,3 +237,64 @@ def test_template_errors_name_the_placeholder():
     assert format_prompt(Problem("a", "2+2?", "4", "4"), "Q: {question} A:") == "Q: 2+2? A:"
     with pytest.raises(DataError, match="unknown placeholder 'answer'"):
         format_prompt(Problem("a", "2+2?", "4", "4"), "{question} {answer}")
+
+
+LLAMA3_LIKE_TEMPLATE = (  # writes BOS itself, as LLaMA-3's does: a tokenizer adding BOS again would double it
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer(tmp_path_factory):
+    """A byte-level BPE that adds BOS by default (like LLaMA's) and has a chat template writing BOS."""
+    from tokenizers import processors
+
+    from megatron_async.models.tiny import build_tokenizer, default_corpus
+
+    tok = build_tokenizer(default_corpus(200), tmp_path_factory.mktemp("chat_tok"), vocab_size=300)
+    tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)])
+    assert tok("hi")["input_ids"][0] == tok.bos_token_id  # default encoding adds BOS
+    tok.chat_template = LLAMA3_LIKE_TEMPLATE
+    return tok
+
+
+def test_chat_prompts_use_the_template_and_one_bos(bos_tokenizer):
+    tok = bos_tokenizer
+    problems = [Problem("a", "Ann has 3 apples. How many?", "#### 3", "3")]
+    (plain,), _ = tokenize_prompts(problems, tok, max_prompt_tokens=200)
+    assert plain.messages is None and plain.text == "Question: Ann has 3 apples. How many?\nAnswer:"
+    (chat,), _ = tokenize_prompts(problems, tok, 200, template="{question}", chat=True)
+    assert chat.messages == ({"role": "user", "content": "Ann has 3 apples. How many?"},)
+    assert chat.text == "<s><|user|>\nAnn has 3 apples. How many?</s>\n<|assistant|>\n"
+    # the ids vLLM is given are exactly the template's own tokenization: a single BOS
+    expected = tok.apply_chat_template(list(chat.messages), add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+    assert chat.ids == list(expected)
+    assert chat.ids.count(tok.bos_token_id) == 1 and chat.ids[0] == tok.bos_token_id
+    assert tok(chat.text)["input_ids"].count(tok.bos_token_id) == 2  # what plain tokenization would have done
+
+    (sys_chat,), _ = tokenize_prompts(problems, tok, 200, template="Q: {question}", chat=True,
+                                      system_prompt="Answer with a number.")
+    assert sys_chat.messages == ({"role": "system", "content": "Answer with a number."},
+                                 {"role": "user", "content": "Q: Ann has 3 apples. How many?"})
+    assert sys_chat.text.startswith("<s><|system|>\nAnswer with a number.</s>\n<|user|>\nQ: Ann")
+
+
+def test_chat_prompts_need_a_template_and_follow_the_length_policy(bos_tokenizer):
+    problems = [Problem("a", "short?", "#### 1", "1"), Problem("b", "x" * 200, "#### 2", "2")]
+    prompts, dropped = tokenize_prompts(problems, bos_tokenizer, 60, chat=True, on_long_prompt="drop")
+    assert dropped == 1 and [p.problem.id for p in prompts] == ["a"]
+    with pytest.raises(DataError, match="has no chat template"):
+        tokenize_prompts(problems, CharTokenizer(), 60, chat=True)
+
+
+def test_load_prompts_reads_the_chat_keys(bos_tokenizer, tmp_path):
+    from megatron_async.config import load_config
+    from megatron_async.data import load_prompts
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "2+2?", "answer": "#### 4"}])
+    cfg = load_config(None, [f"data.train={path}", "data.chat_template=true", "data.prompt_template=\"{question}\"",
+                             "data.system_prompt=Be brief."])
+    (p,), _ = load_prompts(cfg, bos_tokenizer, str(path), "train", 0)
+    assert p.messages[0] == {"role": "system", "content": "Be brief."} and p.text.endswith("<|assistant|>\n")

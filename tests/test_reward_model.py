@@ -126,3 +126,48 @@ def test_train_with_a_reward_model_on_prompt_only_data(rm_dir, tmp_path):
         assert got == pytest.approx(want, abs=1e-4)
         assert list(m[f"eval/rm_score_{tag}"].values()) == [pytest.approx(sum(got) / len(got))]
     assert "rm_score on 4 held-out problems: before" in proc.stdout + proc.stderr
+
+
+CHATML = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+          "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+def test_rm_text_renders_a_chat_with_the_reward_models_own_template(rm_dir):
+    from megatron_async.rewards.reward_model import rm_text
+
+    _, tok, _ = rm_dir
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    policy_text = "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"  # the policy's own rendering
+    assert rm_text(tok, "Q: 2+2?\nA:", None, " 4") == ("Q: 2+2?\nA: 4", True)  # plain prompt: as before
+    assert rm_text(tok, policy_text, messages, "4") == (policy_text + "4", True)  # RM without a template
+    chat_tok = type(tok).from_pretrained(str(rm_dir[0]))
+    chat_tok.chat_template = CHATML
+    text, add_special = rm_text(chat_tok, policy_text, messages, "4")
+    assert text == "<s>system\nBe brief.</s>\n<s>user\n2+2?</s>\n<s>assistant\n4</s>\n" and add_special is False
+
+
+@pytest.mark.integration  # the reward-model worker process
+def test_worker_scores_chat_prompts_in_the_reward_models_template(rm_dir, tmp_path):
+    import shutil
+
+    from megatron_async.data import TokenizedPrompt
+
+    path, tok, model = rm_dir
+    chat_dir = shutil.copytree(path, tmp_path / "chat_rm")
+    chat_tok = type(tok).from_pretrained(str(chat_dir))
+    chat_tok.chat_template = CHATML
+    chat_tok.save_pretrained(str(chat_dir))
+    prompts = [TokenizedPrompt(None, "policy text\n", [1], ({"role": "user", "content": q},))
+               for q in ("Ann has 3 apples.", "2+2?")]
+    completions = ["3 #### 3", "4 because 2 + 2 = 4."]
+    rendered = [f"<s>user\n{p.messages[0]['content']}</s>\n<s>assistant\n{c}</s>\n" for p, c in zip(prompts, completions)]
+    expected = []
+    for text in rendered:
+        ids = chat_tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            expected.append(model(input_ids=ids).logits[0, 0].item())
+    with RewardModelWorker(str(chat_dir), batch_size=2, num_threads=1, timeout_s=60) as rm:
+        chat = [s.reward for s in rm.score(prompts, completions).scores]
+        plain = [s.reward for s in rm.score([p.text for p in prompts], completions).scores]
+    assert chat == pytest.approx(expected, abs=1e-4)
+    assert plain == pytest.approx(rm_scores(tok, model, [p.text + c for p, c in zip(prompts, completions)]), abs=1e-4)

@@ -8,6 +8,13 @@ Every record needs a question field and, unless `answer_key` is None, an answer 
 full worked solution ending in "#### <number>" or just the number. The final number is extracted
 once, at load time, so a reference the reward cannot read fails here, naming the file and line,
 instead of mid-training.
+
+Chat (`data.chat_template: true`, instruct models): the filled template is the user turn, after an
+optional system turn (`data.system_prompt`), rendered by the tokenizer's own chat template with the
+generation prompt. That text already holds the template's special tokens (BOS included where the
+template writes it), so it is tokenized with add_special_tokens=False: the ids are exactly what
+`apply_chat_template(..., tokenize=True)` gives, with no second BOS. The messages travel with the
+prompt so that a reward model can render the conversation with its own template.
 """
 from __future__ import annotations
 
@@ -31,8 +38,9 @@ class DataError(ValueError):
 @dataclass(frozen=True)
 class TokenizedPrompt:
     problem: Problem
-    text: str  # the templated prompt
+    text: str  # the templated prompt (chat: the rendered conversation up to the generation prompt)
     ids: list[int]
+    messages: tuple[dict, ...] | None = None  # chat only: [system?, user] turns the text was rendered from
 
 
 def _to_problem(row: Any, where: str, default_id: str, question_key: str, answer_key: str | None,
@@ -70,7 +78,7 @@ def _records(path: Path) -> Iterable[tuple[str, str, Any]]:
                     continue  # a blank line (e.g. trailing) is not a record
                 where = f"{path} line {lineno}"
                 try:
-                    row = json.loads(line)
+                    row = json.loads(line.rstrip("\r\n"))  # so an error's column is on this line
                 except json.JSONDecodeError as e:
                     raise DataError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
                 yield where, f"{path.stem}:{lineno}", row
@@ -146,25 +154,54 @@ def format_prompt(problem: Problem, template: str = DEFAULT_TEMPLATE) -> str:
         raise DataError(f"prompt template {template!r}: unknown placeholder {e}; only {{question}} is filled") from None
 
 
+def chat_messages(user: str, system_prompt: str = "") -> tuple[dict, ...]:
+    """The turns of a chat prompt: an optional system turn, then the user turn."""
+    system = ({"role": "system", "content": system_prompt},) if system_prompt else ()
+    return (*system, {"role": "user", "content": user})
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    """`messages` rendered by the tokenizer's own chat template (text, special tokens included)."""
+    if not has_chat_template(tokenizer):
+        raise DataError(f"data.chat_template=true but the tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) "
+                        f"has no chat template")
+    return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=False)
+
+
 def tokenize_prompts(
     problems: Sequence[Problem],
     tokenizer,
     max_prompt_tokens: int,
     template: str = DEFAULT_TEMPLATE,
     on_long_prompt: str = "error",
+    chat: bool = False,
+    system_prompt: str = "",
 ) -> tuple[list[TokenizedPrompt], int]:
     """Template + tokenize every problem -> (prompts, number dropped for length).
 
-    Special tokens are added as the tokenizer does by default (BOS for LLaMA tokenizers), the
-    same ids vLLM would produce from the text. A prompt over `max_prompt_tokens` raises (naming the
-    problem and its length) under on_long_prompt="error", or is dropped and counted under "drop".
+    Plain prompts get special tokens as the tokenizer adds them by default (BOS for LLaMA
+    tokenizers), the same ids vLLM would produce from the text. Chat prompts (`chat`) are rendered
+    by the tokenizer's chat template with the generation prompt and tokenized with
+    add_special_tokens=False (the template wrote them). A prompt over `max_prompt_tokens` raises
+    (naming the problem and its length) under on_long_prompt="error", or is dropped and counted
+    under "drop".
     """
     if on_long_prompt not in get_args(OnLongPrompt):
         raise ValueError(f"on_long_prompt must be one of {get_args(OnLongPrompt)}, got {on_long_prompt!r}")
     out, dropped = [], 0
     for problem in problems:
-        text = format_prompt(problem, template)
-        ids = list(tokenizer(text)["input_ids"])
+        messages = None
+        if chat:
+            messages = chat_messages(format_prompt(problem, template), system_prompt)
+            text = render_chat(tokenizer, messages)
+            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        else:
+            text = format_prompt(problem, template)
+            ids = list(tokenizer(text)["input_ids"])
         if len(ids) > max_prompt_tokens:
             if on_long_prompt == "error":
                 raise DataError(
@@ -173,7 +210,7 @@ def tokenize_prompts(
                 )
             dropped += 1
             continue
-        out.append(TokenizedPrompt(problem, text, ids))
+        out.append(TokenizedPrompt(problem, text, ids, messages))
     if not out:
         raise DataError(f"all {len(problems)} prompts are over data.max_prompt_tokens={max_prompt_tokens}")
     return out, dropped
@@ -187,7 +224,8 @@ def load_prompts(cfg: Config, tokenizer, source: str, split: str, size: int) -> 
                              question_key=d.question_key, answer_key=d.answer_key)
     if size:
         problems = problems[:size]
-    return tokenize_prompts(problems, tokenizer, d.max_prompt_tokens, d.prompt_template, d.on_long_prompt)
+    return tokenize_prompts(problems, tokenizer, d.max_prompt_tokens, d.prompt_template, d.on_long_prompt,
+                            chat=d.chat_template, system_prompt=d.system_prompt)
 
 
 SYNTHETIC_TRAIN_SIZE = 20000  # problems drawn for the synthetic train split (it has no natural size)

@@ -11,9 +11,15 @@ or crashed scorer must be killable. The worker loads the checkpoint once, on `de
 The trainer gets one for the run from `scorer.make_scorer` (reward.kind=reward_model) and calls it
 from the producer thread and from evaluation; calls are serialised (one request in flight).
 
-The text scored is `prompt + completion` (format prompts for the RM, e.g. with a chat template,
-before calling). Sequences longer than `max_length` tokens are cut on the LEFT, keeping the end of
-the completion the reward is about. The score is logit 0 at the last non-pad token (the model must
+The text scored: for a plain prompt (a string, or a prompt without chat messages) `prompt +
+completion`, tokenized with the RM tokenizer's default special tokens. For a chat prompt (an object
+with `.messages`, e.g. `data.TokenizedPrompt` under data.chat_template) the conversation is
+[its system?/user turns, {"role": "assistant", "content": completion}] rendered by the RM
+tokenizer's OWN chat template (the form a chat RM was trained on; a policy's template may differ)
+and tokenized with add_special_tokens=False (the template wrote them); an RM tokenizer without a
+chat template scores the policy's rendered text (`.text`) + completion instead, as a plain RM
+reads it. Sequences longer than `max_length` tokens are cut on the LEFT, keeping the end of the
+completion the reward is about. The score is logit 0 at the last non-pad token (the model must
 have num_labels == 1 and a pad token distinct from the tokens it scores).
 
 Failures follow scoring.py: a micro-batch whose forward pass raises marks its samples as errors,
@@ -32,6 +38,19 @@ import traceback
 from typing import Sequence
 
 from megatron_async.rewards.scoring import SampleScore, ScoreReport
+
+
+def rm_text(tok, prompt_text: str, messages: list[dict] | None, completion: str) -> tuple[str, bool]:
+    """What the reward model reads for one sample -> (text, whether the tokenizer adds its special tokens).
+
+    A chat prompt (`messages`) with an RM tokenizer that has a chat template: the conversation with
+    the completion as the assistant's turn, rendered by the RM's template (which writes the special
+    tokens itself: none are added). Otherwise the prompt text + completion, special tokens added as
+    the RM tokenizer does by default."""
+    if messages is not None and getattr(tok, "chat_template", None):
+        conv = [*messages, {"role": "assistant", "content": completion}]
+        return tok.apply_chat_template(conv, tokenize=False), False
+    return prompt_text + completion, True
 
 
 def _worker_main(path: str, dtype: str, num_threads: int | None, batch_size: int, max_length: int, device: str,
@@ -57,12 +76,16 @@ def _worker_main(path: str, dtype: str, num_threads: int | None, batch_size: int
         return
     results.put(("ready", None))
 
-    while (texts := requests.get()) is not None:
+    while (items := requests.get()) is not None:
         out: list[tuple[float | None, str | None]] = []
-        for start in range(0, len(texts), batch_size):
-            chunk = texts[start : start + batch_size]
+        for start in range(0, len(items), batch_size):
+            chunk = items[start : start + batch_size]
             try:
-                enc = tok(chunk, padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
+                rows = []
+                for item in chunk:
+                    text, add_special = rm_text(tok, *item)
+                    rows.append(tok(text, add_special_tokens=add_special, truncation=True, max_length=max_length))
+                enc = tok.pad(rows, padding=True, return_tensors="pt").to(device)
                 with torch.no_grad():
                     logits = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
                 for value in logits[:, 0].float().tolist():
@@ -103,15 +126,19 @@ class RewardModelWorker:
             self.close()
             raise RuntimeError(f"reward model worker for {self.args[0]} failed to start: {payload}")
 
-    def score(self, prompts: Sequence[str], completions: Sequence[str], references: Sequence[str | None] = (),
+    def score(self, prompts: Sequence, completions: Sequence[str], references: Sequence[str | None] = (),
               on_error: str = "drop") -> ScoreReport:
-        """Score prompt + completion texts. `references` is not used (a reward model judges the text
-        alone); it is there so that this is a `scorer.Scorer`."""
+        """Score each completion after its prompt: a string, or a prompt with `.text` and `.messages`
+        (chat: rendered with the RM's own template, module docstring). `references` is not used (a
+        reward model judges the text alone); it is there so that this is a `scorer.Scorer`."""
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+        items = [(p, None, c) if isinstance(p, str) else
+                 (p.text, None if p.messages is None else [dict(m) for m in p.messages], c)
+                 for p, c in zip(prompts, completions)]
         with self._lock:
             self.start()
-            self._requests.put([p + c for p, c in zip(prompts, completions)])
+            self._requests.put(items)
             status, payload = self._wait(self.timeout_s * max(1, -(-len(prompts) // self.batch_size)), "score")
             if status == "ok":
                 scores = [SampleScore(i, reward=r, error=e) for i, (r, e) in enumerate(payload)]

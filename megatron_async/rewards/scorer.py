@@ -4,7 +4,10 @@ Both scorers share one interface, what the trainer's producer thread (training b
 evaluation (held-out prompts) call:
 
     scorer = make_scorer(cfg.reward)     # a reward model's worker process is started here
-    report = scorer.score(prompt_texts, completion_texts, reference_answers, on_error)
+    report = scorer.score(prompts, completion_texts, reference_answers, on_error)
+
+`prompts` are strings or `data.TokenizedPrompt`s (`.text`, and `.messages` for a chat prompt: a
+reward model renders the conversation with its own chat template, reward_model.py).
     scorer.close()
 
 - `gsm8k_exact_match`: `gsm8k_reward` in threads with a per-sample timeout (scoring.score_samples);
@@ -28,7 +31,7 @@ if TYPE_CHECKING:
 
 
 class Scorer(Protocol):
-    def score(self, prompts: Sequence[str], completions: Sequence[str], references: Sequence[str | None],
+    def score(self, prompts: Sequence, completions: Sequence[str], references: Sequence[str | None],
               on_error: str = "drop") -> ScoreReport: ...
 
     def close(self) -> None: ...
@@ -40,9 +43,10 @@ class ExactMatchScorer:
 
     timeout_s: float = 5.0
 
-    def score(self, prompts: Sequence[str], completions: Sequence[str], references: Sequence[str | None],
+    def score(self, prompts: Sequence, completions: Sequence[str], references: Sequence[str | None],
               on_error: str = "drop") -> ScoreReport:
-        samples = list(zip(prompts, completions, references, strict=True))
+        texts = [p if isinstance(p, str) else p.text for p in prompts]
+        samples = list(zip(texts, completions, references, strict=True))
         return score_samples(samples, gsm8k_reward, timeout_s=self.timeout_s, on_error=on_error)
 
     def close(self) -> None:

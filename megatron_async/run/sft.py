@@ -28,10 +28,13 @@ log = logging.getLogger(__name__)
 
 
 def sft_rows(prompts, tokenizer) -> list[batching.Sample]:
-    """Prompt ids + (" " + reference solution + EOS) as one training row per problem."""
+    """Prompt ids + (" " + reference solution + EOS) as one training row per problem; a chat prompt
+    (data.chat_template) ends in the assistant's turn header, so its solution has no leading space
+    (EOS is the template's end of turn for instruct tokenizers such as SmolLM2's <|im_end|>)."""
     rows = []
     for i, p in enumerate(prompts):
-        target = tokenizer(" " + p.problem.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        sep = "" if p.messages is not None else " "
+        target = tokenizer(sep + p.problem.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append(batching.Sample(prompt_index=i, prompt_ids=p.ids, completion_ids=target, logprobs=None,
                                     reward=1.0, version=0))
     return rows
