@@ -19,18 +19,28 @@ from megatron_async.algorithms import ALGORITHMS
 from megatron_async.cluster import placement
 from megatron_async.cluster.cpu_affinity import available_cpus, format_cpu_list, parse_cpu_list
 from megatron_async.config import Config, ConfigError
-from megatron_async.data import DataError, load_file
+from megatron_async.data import DataError, Problem, format_prompt, load_file, tokenize_prompts
 from megatron_async.learner.model import read_arch
 from megatron_async.run.checkpoint import checkpoint_root, latest_checkpoint
 
 
 def preflight(cfg: Config, world_size: int | None = None) -> None:
     """Raise ConfigError if `cfg` cannot run here with `world_size` learner ranks (None: not known yet)."""
+    try:
+        _preflight(cfg, world_size)
+    finally:
+        _TOKENIZERS.clear()
+
+
+def _preflight(cfg: Config, world_size: int | None) -> None:
     _check_model(cfg)
+    if cfg.data.chat_template:
+        _check_chat_template(cfg)
     if cfg.reward.kind == "reward_model":
         _check_reward_model(cfg)
-    for key in ("data.train", "data.eval"):
-        _check_data_source(cfg, key)
+    _check_prompt_template(cfg)
+    sources = {key: _check_data_source(cfg, key) for key in ("data.train", "data.eval")}
+    _check_prompt_lengths(cfg, sources)
     _check_cpu_lists(cfg)
     world = world_size if world_size is not None else cfg.parallel.world_size
     par = cfg.parallel
@@ -69,6 +79,10 @@ def _check_model(cfg: Config) -> None:
     groups = hf.get("num_key_value_heads") or heads
     _require(heads % par.tp == 0, "parallel.tp", par.tp, f"must divide the number of attention heads ({heads})")
     _require(groups % par.tp == 0, "parallel.tp", par.tp, f"must divide the number of query groups / KV heads ({groups})")
+    for name in ("vocab_size", "intermediate_size"):  # the learner splits both over TP ranks (learner/model.py)
+        if isinstance(hf.get(name), int):
+            _require(hf[name] % par.tp == 0, "parallel.tp", par.tp, f"must divide the model's {name} ({hf[name]}, "
+                     f"{cfg.model.hf_path}/config.json)")
     if "num_hidden_layers" in hf:
         layers = hf["num_hidden_layers"]
         _require(layers % par.pp == 0, "parallel.pp", par.pp, f"must divide the number of layers ({layers})")
@@ -77,6 +91,16 @@ def _check_model(cfg: Config) -> None:
         _require(budget <= positions, "data.max_prompt_tokens", cfg.data.max_prompt_tokens,
                  f"+ rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) = {budget} tokens, over the model's "
                  f"max_position_embeddings ({positions}) in {cfg.model.hf_path}/config.json")
+
+
+def _check_chat_template(cfg: Config) -> None:
+    """data.chat_template needs a tokenizer that has one (an instruct model's)."""
+    if cfg.model.hf_path == "tiny":
+        raise ConfigError("key 'data.chat_template' = True: model.hf_path=tiny builds a BPE tokenizer without a "
+                          "chat template; use an instruct model's checkpoint or set data.chat_template=false")
+    _require(bool(getattr(_tokenizer(cfg), "chat_template", None)), "data.chat_template", True,
+             f"the tokenizer of {cfg.model.hf_path} has no chat template (no chat_template.jinja, none in "
+             f"tokenizer_config.json); use an instruct model or set data.chat_template=false")
 
 
 def _check_reward_model(cfg: Config) -> None:
@@ -95,18 +119,63 @@ def _check_reward_model(cfg: Config) -> None:
                           f"splits at parallel.tp={par.tp} x parallel.pp={par.pp}: {type(e).__name__}: {e}") from None
 
 
-def _check_data_source(cfg: Config, key: str) -> None:
-    """A file source exists and parses (every record has its fields and a readable answer); a
-    `datasets` name such as "openai/gsm8k" is resolved when loaded."""
+def _check_data_source(cfg: Config, key: str) -> list | None:
+    """A file source exists and parses (every record has its fields and a readable answer) -> its
+    problems; None for "synthetic" and a `datasets` name such as "openai/gsm8k" (resolved when loaded)."""
     source = getattr(cfg.data, key.split(".")[1])
     if source == "synthetic":
-        return
+        return None
     if source.endswith((".jsonl", ".json", ".parquet")) or source.startswith((".", "/", "~")):
         _require(Path(source).is_file(), key, source, "file not found")
         try:
-            load_file(source, cfg.data.question_key, cfg.data.answer_key)
+            return load_file(source, cfg.data.question_key, cfg.data.answer_key)
         except DataError as e:
             raise ConfigError(f"key '{key}' = {source!r}: {e}") from None
+    return None
+
+
+def _check_prompt_template(cfg: Config) -> None:
+    """data.prompt_template fills {question} and nothing else."""
+    try:
+        format_prompt(Problem("preflight", "?", None, None), cfg.data.prompt_template)
+    except DataError as e:
+        raise ConfigError(f"key 'data.prompt_template' = {cfg.data.prompt_template!r}: {e}") from None
+
+
+def _check_prompt_lengths(cfg: Config, sources: dict[str, list | None]) -> None:
+    """With a real checkpoint's tokenizer and data.on_long_prompt=error, no prompt of a file source
+    is over data.max_prompt_tokens (and under "drop" some prompt is left): formatted and tokenized
+    as the run will (chat template included), here rather than after the learner is built."""
+    if cfg.model.hf_path == "tiny" or not any(sources.values()):
+        return  # the tiny tokenizer is built by the run; `datasets` sources are checked when loaded
+    tokenizer = _tokenizer(cfg)
+    d = cfg.data
+    for key, problems in sources.items():
+        if not problems:
+            continue
+        if key == "data.eval" and d.eval_size:
+            problems = problems[:d.eval_size]
+        try:
+            tokenize_prompts(problems, tokenizer, d.max_prompt_tokens, d.prompt_template, d.on_long_prompt,
+                             chat=d.chat_template, system_prompt=d.system_prompt)
+        except DataError as e:
+            raise ConfigError(f"key 'data.max_prompt_tokens' = {d.max_prompt_tokens}: {key}: {e}") from None
+
+
+_TOKENIZERS: dict[str, Any] = {}  # hf_path -> tokenizer, for the duration of one preflight
+
+
+def _tokenizer(cfg: Config):
+    """The policy checkpoint's tokenizer (loaded once per preflight)."""
+    from transformers import AutoTokenizer
+
+    path = cfg.model.hf_path
+    if path not in _TOKENIZERS:
+        try:
+            _TOKENIZERS[path] = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"key 'model.hf_path' = {path!r}: cannot load its tokenizer: {e}") from None
+    return _TOKENIZERS[path]
 
 
 def _check_cpu_lists(cfg: Config) -> None:

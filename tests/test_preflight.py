@@ -1,0 +1,150 @@
+"""Checks before anything starts (run/preflight.py): each bad setting is one ConfigError naming the
+key (and file and line for data), raised in-process here; the CLI tests below confirm that
+`megatron-async train` turns it into ONE line and exit 2 before torchrun, the learner or a replica."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_async.config import ConfigError, load_config
+from megatron_async.run.preflight import preflight
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_TINY = str(REPO / "configs" / "cpu_tiny.yaml")
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def jsonl(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+GOOD = json.dumps({"question": "Ann has 3 apples. How many?", "answer": "3 apples #### 3"})
+MALFORMED = '{"question": "b?", "answer": "#### 2"'  # no closing brace
+NO_NUMBER = json.dumps({"question": "c?", "answer": "it is two"})
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    """A tiny HF checkpoint (vocab 320, 4 heads / 2 KV heads) whose tokenizer has no chat template."""
+    from megatron_async.models.tiny import TinyLlamaSpec, build_tiny_llama, build_tokenizer, default_corpus
+
+    out = tmp_path_factory.mktemp("hf_model")
+    tok = build_tokenizer(default_corpus(200), out, vocab_size=300)
+    return build_tiny_llama(out, tok, TinyLlamaSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2))
+
+
+@pytest.fixture(scope="module")
+def chat_model(hf_model, tmp_path_factory):
+    """The same checkpoint with a ChatML chat template on its tokenizer."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    out = shutil.copytree(hf_model, tmp_path_factory.mktemp("chat") / "m")
+    tok = AutoTokenizer.from_pretrained(str(out))
+    tok.chat_template = CHATML
+    tok.save_pretrained(str(out))
+    return out
+
+
+def test_malformed_jsonl_line_names_file_and_line(tmp_path):
+    bad = jsonl(tmp_path / "train.jsonl", [GOOD, MALFORMED])
+    with pytest.raises(ConfigError) as e:
+        preflight(load_config(CPU_TINY, [f"data.train={bad}"]))
+    assert str(e.value).startswith(f"key 'data.train' = '{bad}': {bad} line 2: malformed JSON")
+    assert "column 38" in str(e.value)  # on that line, not the start of a next one
+
+
+def test_answer_without_a_number_names_file_and_line(tmp_path):
+    bad = jsonl(tmp_path / "test.jsonl", [GOOD, GOOD, NO_NUMBER])
+    with pytest.raises(ConfigError, match=rf"key 'data.eval' = '{bad}': {bad} line 3: field 'answer' has no final number"):
+        preflight(load_config(CPU_TINY, [f"data.eval={bad}"]))
+
+
+def test_resume_without_a_checkpoint(tmp_path):
+    with pytest.raises(ConfigError, match=r"key 'run.resume' = True: no checkpoint in .*checkpoints"):
+        preflight(load_config(CPU_TINY, [f"run.out_dir={tmp_path}", "run.resume=true"]))
+    (tmp_path / "cpu_tiny" / "checkpoints").mkdir(parents=True)  # a run that started but saved nothing
+    with pytest.raises(ConfigError, match=r"'run.resume'"):
+        preflight(load_config(CPU_TINY, [f"run.out_dir={tmp_path}", "run.resume=true"]))
+
+
+def test_chat_template_needs_a_tokenizer_that_has_one(hf_model, chat_model):
+    with pytest.raises(ConfigError, match=r"key 'data.chat_template' = True: model.hf_path=tiny"):
+        preflight(load_config(None, ["data.chat_template=true"]))
+    with pytest.raises(ConfigError, match=rf"key 'data.chat_template' = True: the tokenizer of {hf_model} has no chat"):
+        preflight(load_config(None, [f"model.hf_path={hf_model}", "data.chat_template=true"]))
+    preflight(load_config(None, [f"model.hf_path={chat_model}", "data.chat_template=true"]))
+    preflight(load_config(None, [f"model.hf_path={hf_model}"]))  # no template needed without chat
+
+
+def test_prompt_template_placeholders():
+    with pytest.raises(ConfigError, match=r"key 'data.prompt_template' = .*unknown placeholder 'answer'"):
+        preflight(load_config(None, ['data.prompt_template="{question} {answer}"']))
+
+
+def test_long_prompts_found_before_the_learner_starts(chat_model, tmp_path):
+    long_q = json.dumps({"question": "Ann has apples. " * 40 + "How many?", "answer": "#### 3"})
+    data = jsonl(tmp_path / "train.jsonl", [GOOD, long_q])
+    base = [f"model.hf_path={chat_model}", f"data.train={data}", "data.max_prompt_tokens=60"]
+    with pytest.raises(ConfigError, match=r"key 'data.max_prompt_tokens' = 60: data.train: problem train:2: prompt is "
+                                          r"\d+ tokens"):
+        preflight(load_config(None, base))
+    with pytest.raises(ConfigError, match="problem train:1: prompt is 75 tokens"):  # the chat template's tokens count
+        preflight(load_config(None, [*base, "data.chat_template=true"]))
+    preflight(load_config(None, [*base, "data.on_long_prompt=drop"]))  # one prompt is left
+    short = jsonl(tmp_path / "short.jsonl", [GOOD])
+    with pytest.raises(ConfigError, match="all 1 prompts are over"):
+        preflight(load_config(None, [f"model.hf_path={chat_model}", f"data.train={short}", "data.max_prompt_tokens=3",
+                                     "data.on_long_prompt=drop"]))
+
+
+def test_tp_must_divide_vocab_and_mlp_of_a_real_checkpoint(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    hf = {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 49153, "intermediate_size": 64}
+    (model / "config.json").write_text(json.dumps(hf))
+    preflight(load_config(None, [f"model.hf_path={model}"]))
+    with pytest.raises(ConfigError, match=r"key 'parallel.tp' = 2: must divide the model's vocab_size \(49153"):
+        preflight(load_config(None, [f"model.hf_path={model}", "parallel.tp=2"]))
+    (model / "config.json").write_text(json.dumps({**hf, "vocab_size": 49152, "intermediate_size": 63}))
+    with pytest.raises(ConfigError, match=r"intermediate_size \(63"):
+        preflight(load_config(None, [f"model.hf_path={model}", "parallel.tp=2"]))
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def train_cli(*words: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "megatron_async", "train", CPU_TINY, *words], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.integration  # runs the CLI as a subprocess (it exits in seconds: preflight fails first)
+@pytest.mark.parametrize("case", ["malformed", "no_number", "resume"])
+def test_train_cli_says_one_clean_line_and_starts_nothing(case, tmp_path):
+    out = tmp_path / "runs"
+    if case == "resume":
+        words, expect = ["--resume"], f"key 'run.resume' = True: no checkpoint in {out}/cpu_tiny/checkpoints"
+    else:
+        lines = [GOOD, MALFORMED] if case == "malformed" else [GOOD, NO_NUMBER]
+        data = jsonl(tmp_path / "train.jsonl", lines)
+        what = "malformed JSON" if case == "malformed" else "field 'answer' has no final number"
+        words, expect = [f"data.train={data}"], f"{data} line 2: {what}"
+    t0 = time.monotonic()
+    proc = train_cli(*words, f"run.out_dir={out}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and proc.stdout == "", proc.stdout + proc.stderr  # ONE line, nothing else
+    assert lines[0].startswith("megatron-async: config error: ") and expect in lines[0], lines[0]
+    assert not out.exists()  # no run directory: nothing (torchrun, learner, replicas, MLflow) started
+    assert time.monotonic() - t0 < 60
