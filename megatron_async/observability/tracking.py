@@ -53,6 +53,9 @@ class MlflowTracker:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(1, request_timeout_s))))
         from mlflow.tracking import MlflowClient
 
+        from megatron_async.observability.logs import route_through_root
+
+        route_through_root("mlflow")  # its own stderr handler would bypass the quiet console
         self.uri = uri or f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}"
         self.client = MlflowClient(tracking_uri=self.uri)
         self.retry_interval_s = retry_interval_s

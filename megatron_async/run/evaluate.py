@@ -7,7 +7,13 @@ scored, named by `reward.kind` (EVAL_METRIC): pass@1 for GSM8k exact match, the 
 score ("rm_score") for a reward model. Samples that could not be scored are counted ("errors",
 "timeouts") and left out of the mean, never counted as 0. `greedy_eval` is what the trainer calls
 before and after RL (on its own pool and scorer); `main` starts a pool on any HF checkpoint and
-evaluates any jsonl/parquet file or `datasets` name.
+evaluates any jsonl/parquet file or `datasets` name, formatted as the config says (chat template
+included: `data.chat_template=true`), with a progress bar over chunks of prompts.
+
+The JSON (`--output`; eval_<tag>.json in a run dir) holds the headline numbers and, per problem:
+id, question, reference answer, completion, the number read from it ("extracted", exact match),
+the reward, the verdict ("correct" / "wrong" for exact match, "scored" for a reward model,
+"error" / "timeout" when it could not be scored), the error and the policy version.
 """
 from __future__ import annotations
 
@@ -16,10 +22,12 @@ import logging
 import sys
 from pathlib import Path
 
-from megatron_async.data import load_prompts
+from tqdm import tqdm
+
+from megatron_async.data import DataError, load_prompts
 from megatron_async.io_utils import atomic_write_text
 from megatron_async.models.base_model import load_tokenizer
-from megatron_async.rewards import make_scorer
+from megatron_async.rewards import extract_answer, make_scorer
 from megatron_async.rollout.build import replica_spec
 from megatron_async.rollout.launcher import replica_env
 from megatron_async.rollout.pool import ReplicaPool
@@ -31,19 +39,41 @@ log = logging.getLogger(__name__)
 EVAL_METRIC = {"gsm8k_exact_match": "pass@1", "reward_model": "rm_score"}  # reward.kind -> name
 
 
+EVAL_CHUNK = 64  # prompts per replica request (vLLM batches them) and per replica in a progress-bar tick
+
+
+def _verdict(reward_kind: str, score) -> str:
+    if score.timed_out:
+        return "timeout"
+    if score.reward is None:
+        return "error"
+    if reward_kind == "gsm8k_exact_match":
+        return "correct" if score.reward > 0 else "wrong"
+    return "scored"
+
+
 def greedy_eval(pool, tokenizer, prompts, scorer, reward_kind: str, max_new_tokens: int, stop=(),
-                on_error: str = "drop") -> dict:
+                on_error: str = "drop", progress: bool = False, desc: str = "eval") -> dict:
     """Greedy completion of every prompt, scored by `scorer` (rewards.make_scorer).
 
     Returns {"metric": name, name: mean reward, "n", "scored", "errors", "timeouts", "results"};
-    under on_error="stop" a sample that cannot be scored raises instead.
+    under on_error="stop" a sample that cannot be scored raises instead. `progress`: a tqdm bar
+    over chunks of EVAL_CHUNK prompts per replica, each replica request one chunk.
     """
     sampling = Sampling(n=1, temperature=0.0, max_tokens=max_new_tokens, stop=tuple(stop), logprobs=False)
-    records = pool.generate([p.ids for p in prompts], sampling)
+    step = EVAL_CHUNK * max(1, len(pool.pids()))
+    records = []
+    with tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not progress, mininterval=5) as bar:
+        for start in range(0, len(prompts), step):
+            chunk = prompts[start:start + step]
+            records += pool.generate([p.ids for p in chunk], sampling, chunk_size=EVAL_CHUNK)
+            bar.update(len(chunk))
     texts = [tokenizer.decode(rec.token_ids, skip_special_tokens=True) for rec in records]
-    report = scorer.score([p.text for p in prompts], texts, [p.problem.answer for p in prompts], on_error)
-    results = [{"id": p.problem.id, "reference": p.problem.answer, "completion": text, "reward": s.reward,
-                "error": s.error, "policy_version": rec.policy_version}
+    report = scorer.score(list(prompts), texts, [p.problem.answer for p in prompts], on_error)
+    exact = reward_kind == "gsm8k_exact_match"
+    results = [{"id": p.problem.id, "question": p.problem.question, "reference": p.problem.answer,
+                "completion": text, "extracted": extract_answer(text) if exact else None, "reward": s.reward,
+                "verdict": _verdict(reward_kind, s), "error": s.error, "policy_version": rec.policy_version}
                for p, text, rec, s in zip(prompts, texts, records, report.scores)]
     kept = [s.reward for s in report.kept()]
     metric = EVAL_METRIC[reward_kind]
@@ -57,20 +87,30 @@ def main(cfg, checkpoint: str | None = None, data: str | None = None, output: st
         print(f"megatron-async eval: {model} is not an HF checkpoint folder (no config.json)", file=sys.stderr)
         return 2
     tokenizer = load_tokenizer(model)
-    prompts, dropped = load_prompts(cfg, tokenizer, data or cfg.data.eval, "test", cfg.data.eval_size)
+    try:
+        prompts, dropped = load_prompts(cfg, tokenizer, data or cfg.data.eval, "test", cfg.data.eval_size)
+    except DataError as e:  # a malformed file, no chat template, prompts over data.max_prompt_tokens
+        print(f"megatron-async eval: {e}", file=sys.stderr)
+        return 2
     r = cfg.rollout
     scorer = make_scorer(cfg.reward)
     try:
         with ReplicaPool(replica_spec(cfg, model), r.num_replicas, host=r.host, authkey=r.token or None,
                          env=replica_env()) as pool:
             result = greedy_eval(pool, tokenizer, prompts, scorer, cfg.reward.kind, r.max_new_tokens, r.stop,
-                                 cfg.reward.on_error)
+                                 cfg.reward.on_error, progress=True, desc=f"eval {model.name}")
     finally:
         scorer.close()
-    result["dropped_long_prompts"] = dropped
+    result.update({"model": str(model), "data": data or cfg.data.eval, "chat_template": cfg.data.chat_template,
+                   "dropped_long_prompts": dropped})
     metric = result["metric"]
-    print(f"{metric} = {result[metric]:.4f} over {result['scored']}/{result['n']} scored prompts "
+    noise = ""
+    if metric == "pass@1" and result["scored"]:
+        p, n = result[metric], result["scored"]
+        noise = f" +- {(p * (1 - p) / n) ** 0.5:.4f} (binomial s.e.)"
+    print(f"{metric} = {result[metric]:.4f}{noise} over {result['scored']}/{result['n']} scored prompts "
           f"({result['errors']} errors, {result['timeouts']} timeouts) on {data or cfg.data.eval}")
     if output:
         atomic_write_text(output, json.dumps(result, indent=1))
+        print(f"per-problem completions and verdicts: {output}")
     return 0

@@ -22,6 +22,7 @@ from megatron_async.cluster.cpu_affinity import pin_learner
 from megatron_async.cluster.placement import check_runtime, nproc_per_node
 from megatron_async.config import Config, ConfigError
 from megatron_async.learner.parallel import destroy_parallel, free_port
+from megatron_async.observability.logs import attach_log_file
 from megatron_async.run.preflight import preflight
 from megatron_async.run.trainer import Trainer
 
@@ -49,6 +50,7 @@ def main(cfg: Config, config_path: str, overrides: list[str], nproc: int | None 
             cmd.append("--resume")
         return subprocess.call(cmd, env={**os.environ, CHECKED_ENV: "1"})
 
+    attach_log_file(cfg.run_dir / "train.log")  # library warnings, megatron's config dumps: file only
     pin_learner(cfg.parallel.learner_cpus)  # before any torch thread pool exists; replicas re-pin
     trainer = None
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,8 @@ from megatron_async.run.adaptive_lag import START_LAG, AdaptiveLag
 from megatron_async.run.evaluate import EVAL_METRIC, greedy_eval
 
 log = logging.getLogger(__name__)
+
+GEN_CHUNK_SEQS = 64  # sequences per replica request in training generation, at least (make_batch)
 
 @dataclass
 class RolloutState:
@@ -86,12 +89,19 @@ class RolloutState:
                             stop=tuple(r.stop), seed=self.cfg.run.seed * 1_000_003 + index * 10_007)
         t0 = time.monotonic()
         faults.kill_replica_during(index, self.pool.pids()[0])
-        records = self.pool.generate([p.ids for p in prompts], sampling)
+        # At least GEN_CHUNK_SEQS sequences per replica request where the batch has them: the
+        # pool's default (~4 chunks per replica) sends 16-sequence requests for 8 prompts x K=8,
+        # which vLLM on CPU runs at half the speed of one 64-sequence batch (per-prompt seeds: the
+        # samples do not depend on the chunking).
+        replicas = max(1, len(self.pool.pids()))
+        chunk = max(min(16, math.ceil(len(prompts) / (4 * replicas))),
+                    min(math.ceil(GEN_CHUNK_SEQS / r.k), math.ceil(len(prompts) / replicas)))
+        records = self.pool.generate([p.ids for p in prompts], sampling, chunk_size=max(1, chunk))
         gen_seconds = time.monotonic() - t0
         t0 = time.monotonic()
         completions = [records[i * r.k:(i + 1) * r.k] for i in range(len(prompts))]
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in records]
-        report = self.scorer.score([prompts[c.prompt_index].text for c in records], texts,
+        report = self.scorer.score([prompts[c.prompt_index] for c in records], texts,
                                    [prompts[c.prompt_index].problem.answer for c in records], self.cfg.reward.on_error)
         scores = [s.reward if s.ok else None for s in report.scores]
         rewards = [scores[i * r.k:(i + 1) * r.k] for i in range(len(prompts))]
@@ -108,7 +118,7 @@ class RolloutState:
             return None
         r = self.cfg.rollout
         result = greedy_eval(self.pool, self.tokenizer, self.eval_prompts, self.scorer, self.cfg.reward.kind,
-                             r.max_new_tokens, r.stop, self.cfg.reward.on_error)
+                             r.max_new_tokens, r.stop, self.cfg.reward.on_error, progress=True, desc=f"eval {tag}")
         path = atomic_write_text(self.cfg.run_dir / f"eval_{tag}.json", json.dumps(result, indent=1))
         metric = result["metric"]
         name = "eval/" + metric.replace("@", "_at_")  # eval/pass_at_1 or eval/rm_score
@@ -164,14 +174,53 @@ class RolloutState:
         tracker.log_artifact(png)
         tracker.log_artifact(run_dir / "config.yaml")
         atomic_write_text(run_dir / "history.json", json.dumps(self.history, indent=0))
-        metric = EVAL_METRIC[cfg.reward.kind]
-        if before is not None:
-            print(f"{metric} on {len(self.eval_prompts)} held-out problems: before {before:.3f} -> after {after:.3f}")
-        elif after is not None:
-            print(f"{metric} on {len(self.eval_prompts)} held-out problems after training: {after:.3f}")
+        from megatron_async.observability.logs import log_file
+        from megatron_async.run.checkpoint import latest_checkpoint
+
+        print(run_summary(cfg, len(self.eval_prompts), before, after, wall_s=_process_seconds(), png=png,
+                          checkpoint=latest_checkpoint(cfg), tracker=tracker, log_path=log_file()), flush=True)
 
     def close(self) -> None:
         if self.producer is not None:
             self.producer.stop()
         self.pool.stop()
         self.scorer.close()
+
+
+def _process_seconds() -> float | None:
+    """Wall time of this process so far (the run's, for a run that was not resumed)."""
+    try:
+        import psutil
+
+        return time.time() - psutil.Process().create_time()
+    except Exception:  # psutil missing or the process table unreadable: no wall time in the summary
+        return None
+
+
+def run_summary(cfg: Config, n_eval: int, before: float | None, after: float | None, wall_s: float | None,
+                png: Path | None, checkpoint: Path | None, tracker, log_path: Path | None) -> str:
+    """The end-of-run summary printed on the terminal: the held-out metric before -> after, wall
+    time, and where the outputs are (checkpoint, HF export, plot, per-problem verdicts, MLflow run
+    with the command that opens its UI, log file)."""
+    run_dir, metric = cfg.run_dir, EVAL_METRIC[cfg.reward.kind]
+    lines = [f"== {cfg.run.name}: {cfg.trainer.algorithm}, {cfg.trainer.steps} steps, max_lag={cfg.rollout.max_lag}"]
+    if before is not None and after is not None:
+        lines.append(f"{metric} on {n_eval} held-out problems: before {before:.3f} -> after {after:.3f} "
+                     f"({after - before:+.3f}; per problem: {run_dir / 'eval_before.json'}, eval_after.json)")
+    elif after is not None:
+        lines.append(f"{metric} on {n_eval} held-out problems after training: {after:.3f} ({run_dir / 'eval_after.json'})")
+    if wall_s is not None:
+        lines.append(f"wall time: {wall_s / 60:.1f} min")
+    if checkpoint is not None:
+        lines.append(f"checkpoint: {checkpoint} (resume: megatron-async train ... --resume)")
+    lines.append(f"final model (HF): {run_dir / 'hf_final'}")
+    if png is not None:
+        lines.append(f"plot: {png}; metrics by step: {run_dir / 'history.json'}")
+    uri, run_id = getattr(tracker, "uri", None), getattr(tracker, "run_id", None)
+    if uri and run_id:
+        lines.append(f"MLflow run {run_id} in {uri}")
+        if uri.startswith("sqlite:"):
+            lines.append(f"  open it: mlflow ui --backend-store-uri {uri}")
+    if log_path is not None:
+        lines.append(f"log (library warnings, megatron config): {log_path}")
+    return "\n".join(lines)

@@ -1,0 +1,132 @@
+"""The quiet console (observability/logs.py), the end-of-run summary (run/rollout_state.py) and the
+evaluation's per-problem JSON with its progress bar (run/evaluate.py); all in-process."""
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from megatron_async.config import load_config
+from megatron_async.observability import logs
+
+
+@pytest.fixture
+def fresh_logging():
+    saved = dict(logs._state)
+    logs._state.update(buffer=None, file=None, rank=0)
+    logging.captureWarnings(False)  # an earlier setup_logging's capture is undone by pytest's per-test catch_warnings
+    yield
+    if logs._state["file"] is not None:
+        logs._state["file"].close()
+    logs._state.update(saved)
+    logs.setup_logging()
+    logging.captureWarnings(False)
+
+
+def test_console_shows_ours_and_library_warnings_file_gets_everything(fresh_logging, tmp_path, capsys):
+    logs.setup_logging("INFO", rank=0)
+    logging.getLogger("megatron.core.optimizer").info("Setting up optimizer with config OptimizerConfig(lr=...)")
+    warnings.warn("Transformer Engine and Apex are not installed.", UserWarning)  # before the file exists
+    logging.getLogger("megatron_async.run.trainer").info("step 0 | reward 0.1")
+    logging.getLogger("megatron.core.optimizer").warning("a library warning the user should see")
+    logging.getLogger("mlflow.store.db.utils").info("Creating initial MLflow database tables...")
+    console = capsys.readouterr().err
+    assert "step 0 | reward 0.1" in console and "a library warning the user should see" in console
+    for quiet in ("OptimizerConfig", "Transformer Engine", "MLflow database"):
+        assert quiet not in console
+    path = logs.attach_log_file(tmp_path / "run" / "train.log")
+    logging.getLogger("megatron.core.distributed").info("Params for bucket 1 (135M elements)")
+    text = path.read_text()
+    for line in ("OptimizerConfig", "Transformer Engine and Apex", "step 0 | reward 0.1", "a library warning",
+                 "MLflow database", "Params for bucket 1"):
+        assert line in text, line  # buffered start-up records first, then everything after
+    assert text.index("OptimizerConfig") < text.index("Params for bucket")
+    assert logs.log_file() == path
+    assert "Params for bucket" not in capsys.readouterr().err
+
+
+def test_other_ranks_warn_only_and_write_their_own_file(fresh_logging, tmp_path, capsys):
+    logs.setup_logging("INFO", rank=1)
+    logging.getLogger("megatron_async.run.trainer").info("rank 1 info")
+    logging.getLogger("megatron_async.run.trainer").warning("rank 1 warning")
+    err = capsys.readouterr().err
+    assert "rank 1 info" not in err and "[rank1]" in err and "rank 1 warning" in err
+    path = logs.attach_log_file(tmp_path / "train.log")
+    assert path.name == "train.rank1.log" and "rank 1 info" in path.read_text()
+
+
+@dataclass
+class _Tracker:
+    uri: str
+    run_id: str = "abc123"
+
+
+def test_run_summary_names_metric_wall_time_and_where_things_are(tmp_path):
+    from megatron_async.run.rollout_state import run_summary
+
+    cfg = load_config(None, [f"run.out_dir={tmp_path}", "run.name=r", "trainer.algorithm=rloo", "trainer.steps=30"])
+    uri = f"sqlite:///{tmp_path}/r/mlflow.db"
+    text = run_summary(cfg, 200, 0.015, 0.03, wall_s=3000.0, png=cfg.run_dir / "training.png",
+                       checkpoint=cfg.run_dir / "checkpoints" / "step_30", tracker=_Tracker(uri),
+                       log_path=cfg.run_dir / "train.log")
+    assert "pass@1 on 200 held-out problems: before 0.015 -> after 0.030 (+0.015" in text
+    assert "wall time: 50.0 min" in text and f"checkpoint: {cfg.run_dir}/checkpoints/step_30" in text
+    assert f"plot: {cfg.run_dir}/training.png" in text and f"final model (HF): {cfg.run_dir}/hf_final" in text
+    assert f"MLflow run abc123 in {uri}" in text and f"open it: mlflow ui --backend-store-uri {uri}" in text
+    assert f"{cfg.run_dir}/train.log" in text
+    server = run_summary(cfg, 8, None, 0.5, None, None, None, _Tracker("http://mlflow:5000"), None)
+    assert "after training: 0.500" in server and "mlflow ui" not in server and "http://mlflow:5000" in server
+
+
+# --------------------------------------------------------------------------- evaluation JSON
+
+
+@dataclass
+class _Record:
+    token_ids: list
+    policy_version: int = 0
+
+
+class _FakePool:
+    """Answers every prompt with a fixed completion (its token ids are characters)."""
+
+    def __init__(self, answers: dict[int, str]):
+        self.answers, self.calls = answers, []
+
+    def pids(self):
+        return [1]
+
+    def generate(self, prompts, sampling, chunk_size=None):
+        self.calls.append((len(prompts), chunk_size))
+        return [_Record([ord(c) for c in self.answers[p[0]]]) for p in prompts]
+
+
+class _CharTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+def test_greedy_eval_lists_each_completion_and_verdict(capsys):
+    from megatron_async.data import Problem, TokenizedPrompt
+    from megatron_async.rewards.scorer import ExactMatchScorer
+    from megatron_async.run.evaluate import EVAL_CHUNK, greedy_eval
+
+    n = EVAL_CHUNK + 6
+    prompts = [TokenizedPrompt(Problem(f"test:{i}", f"q{i}?", f"#### {i}", str(i)), f"q{i}?", [i]) for i in range(n)]
+    answers = {i: (f"so it is {i}." if i % 3 else f"maybe {i + 1}") for i in range(n)}
+    pool = _FakePool(answers)
+    result = greedy_eval(pool, _CharTokenizer(), prompts, ExactMatchScorer(), "gsm8k_exact_match", 16,
+                         progress=True, desc="eval test")
+    assert pool.calls == [(EVAL_CHUNK, EVAL_CHUNK), (6, EVAL_CHUNK)]  # chunks: the progress bar's ticks
+    assert "eval test" in capsys.readouterr().err  # the bar
+    first, second = result["results"][:2]
+    assert first == {"id": "test:0", "question": "q0?", "reference": "0", "completion": "maybe 1", "extracted": "1",
+                     "reward": 0.0, "verdict": "wrong", "error": None, "policy_version": 0}
+    assert second["verdict"] == "correct" and second["extracted"] == "1" and second["reward"] == 1.0
+    right = sum(1 for i in range(n) if i % 3)
+    assert result["pass@1"] == pytest.approx(right / n) and result["n"] == result["scored"] == n
+    json.dumps(result)  # what --output and eval_<tag>.json write
