@@ -3,10 +3,17 @@
 Skipped without 2 CUDA devices (NCCL takes one GPU per rank). Has not run yet: no session so far
 had a GPU. Run with `pytest -m gpu tests/test_gpu_sync.py` (launch/gpu_check.sh runs it too).
 After every NCCL sync the replica's logprobs must equal transformers' on the pushed weights
-(fp32, max |diff| < 1e-3), and a bad checksum must fail the sync without hanging.
+(fp32), and a bad checksum must fail the sync without hanging.
+
+Tolerance: on CPU vLLM and transformers agree to ~5e-7 in fp32 (LOGPROB_TOL 1e-3). On a GPU vLLM's
+fp32 attention runs in Triton kernels whose fp32 dot products use TF32 (tl.dot's default input
+precision), which no torch switch turns off, while the transformers reference runs in IEEE fp32 on
+the CPU; GPU_LOGPROB_TOL = 1e-2 is TF32-sized (10-bit mantissa; bf16's 7 bits would need ~5e-2).
+Needs vLLM (skipped without it, as on the lent GPU machine).
 """
 from __future__ import annotations
 
+import importlib.util
 import time
 
 import pytest
@@ -15,12 +22,15 @@ import torch
 from megatron_async.rollout import ReplicaPool, Sampling
 from megatron_async.weights import sync as sync_mod
 from megatron_async.weights.sync import WeightSender, WeightSyncError
-from tests.rollout_fixtures import LOGPROB_TOL, build_models, max_logprob_diff, spec, state_dict
+from tests.rollout_fixtures import build_models, max_logprob_diff, spec, state_dict
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.integration,  # vLLM replica processes (tests/conftest.py tiers)
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (learner GPU 0, replica GPU 1)"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),
 ]
+GPU_LOGPROB_TOL = 1e-2  # TF32 in vLLM's GPU attention (module docstring); CPU: LOGPROB_TOL
 PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 40, 41, 42, 43], [1, 100]]
 
 
@@ -43,7 +53,7 @@ def on_gpu(model_dir):
 def check(pool, model_dir, version):
     records = pool.generate(PROMPTS, Sampling(n=2, max_tokens=12, seed=version))
     assert {r.policy_version for r in records} == {version}
-    assert max_logprob_diff(model_dir, records) < LOGPROB_TOL
+    assert max_logprob_diff(model_dir, records) < GPU_LOGPROB_TOL
 
 
 def test_nccl_sync_matches_transformers_over_several_versions(pool, models):

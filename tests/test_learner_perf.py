@@ -109,6 +109,7 @@ def worker(tiny_ckpts, tmp_path_factory):
     return json.loads(out.read_text())
 
 
+@pytest.mark.integration  # a megatron worker process
 def test_gpu_local_spec_config_builds_a_model(worker):
     r = worker["gpu_local_spec"]
     assert r["params"] > 0
@@ -118,6 +119,7 @@ def test_gpu_local_spec_config_builds_a_model(worker):
     assert "persist_layer_norm" in r["old_flags_error"]
 
 
+@pytest.mark.integration  # a megatron worker process
 def test_sequence_padding_changes_nothing(worker):
     r = worker["padding"]
     assert r["shapes"] == [[2, 12], [2, 12]]  # padded to 15 inside, cut back before the loss
@@ -126,6 +128,7 @@ def test_sequence_padding_changes_nothing(worker):
     assert r["loss_padded"] == pytest.approx(r["loss"], abs=1e-5)
 
 
+@pytest.mark.integration  # a megatron worker process
 def test_overlapped_grad_reduce_matches_plain_at_dp2(tiny_ckpts, tmp_path):
     """The GPU default for DP > 1 (overlap_grad_reduce, megatron's async bucketed reduce) wired as the
     trainer uses it (no_sync + finalize_model_grads) gives the same steps; it also runs over gloo."""

@@ -14,6 +14,8 @@ import pytest
 
 from tests.dist import run_worker
 
+pytestmark = pytest.mark.integration  # torchrun workers (tests/conftest.py tiers)
+
 
 def _nan(x) -> bool:
     return isinstance(x, str) and x == "nan" or isinstance(x, float) and math.isnan(x)

@@ -16,7 +16,10 @@ REPO = WORKERS.parents[1]
 
 def run_worker(script: str, *args, nproc: int = 1, timeout: int = 240) -> str:
     """Run tests/dist/<script> (under torchrun when nproc > 1); return its output, fail with its tail."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    # prepend: packages installed with `pip install --target DIR` (the GPU check's offline wheels)
+    # reach the workers through PYTHONPATH, which must not be replaced
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                f"--master-port={free_port()}", str(WORKERS / script)]

@@ -1,15 +1,40 @@
-"""Worker for tests/test_gpu_learner.py (CUDA, NCCL): TE-spec parity and bf16 training steps.
+"""Worker for tests/test_gpu_learner.py (CUDA, NCCL): parity, bf16 training, checkpoints, HF export.
 
     python tests/dist/gpu_worker.py parity OUT.json HF_DIR
     torchrun --nproc-per-node N tests/dist/gpu_worker.py train OUT.json HF_DIR --tp N
+    python tests/dist/gpu_worker.py checkpoint OUT.json HF_DIR
+    python tests/dist/gpu_worker.py export OUT.json HF_DIR
+
+Every mode also runs on CPU (fp32, gloo: tests/test_gpu_check.py runs checkpoint and export there,
+so this file cannot rot between GPU runs); the GPU tests assert the CUDA specifics.
+
+TF32: parity runs with torch's fp32 matmuls in IEEE fp32 (TF32 off, set here, recorded in the
+output). Transformer Engine's own GEMMs do not follow that switch (its cuBLASLt call asks for
+CUBLAS_COMPUTE_32F_FAST_TF32 for fp32 inputs), so with the TE spec the fp32 logits carry TF32
+rounding; the test's tolerance says which case it is in.
 """
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import torch
 
 from learner_worker import batches, nll  # tests/dist is on sys.path as the script's directory
+
+
+def tf32_off() -> dict:
+    """IEEE fp32 for torch's CUDA matmuls and cuDNN (the new API where torch has it, else the legacy one)."""
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        torch.backends.cudnn.fp32_precision = "ieee"
+        return {"matmul": torch.backends.cuda.matmul.fp32_precision, "cudnn": torch.backends.cudnn.fp32_precision}
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return {"matmul": "ieee", "cudnn": "ieee"}
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def logits_of(chunks, ids):
@@ -21,14 +46,12 @@ def logits_of(chunks, ids):
 def parity(src: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from megatron_async.learner.model import build_model
     from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
+    from megatron_async.learner.model import build_model
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    ids = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(0)).cuda()
-    hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).cuda().eval()
-    out = {}
+    out = {"tf32": tf32_off()}
+    ids = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).to(DEVICE).eval()
     with torch.no_grad():
         ref = hf(ids).logits
         for dtype in (torch.float32, torch.bfloat16):
@@ -38,28 +61,91 @@ def parity(src: Path) -> dict:
             out[f"{key}_max_diff"] = (logits_of(chunks, ids) - ref).abs().max().item()
             out[f"{key}_qkv_module"] = type(chunks[0].decoder.layers[0].self_attention.linear_qkv).__name__
             out[f"{key}_names"] = sorted(n for n, _ in iter_hf_weights(chunks))
+            out[f"{key}_perf"] = chunks[0].perf.to_dict()
     out["logit_scale"] = ref.abs().max().item()
     return out
 
 
+def _optimizer_name(opt) -> str:
+    return type(opt.chained_optimizers[0]).__name__ if hasattr(opt, "chained_optimizers") else type(opt).__name__
+
+
 def train(src: Path) -> dict:
+    from megatron_async.learner.mapping import load_hf_weights
     from megatron_async.learner.model import build_model
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
-    from megatron_async.learner.mapping import load_hf_weights
 
     chunks = build_model(src)  # bf16 on GPU
     load_hf_weights(chunks, src)
     ddp, opt, sched = build_optimizer(chunks, OptimSettings(lr=1e-3))
     mbs = batches(320)
     steps = [train_step(ddp, opt, sched, mbs, nll) for _ in range(4)]
-    return {"dtype": str(next(chunks[0].parameters()).dtype), "optimizer": type(opt.chained_optimizers[0]).__name__
-            if hasattr(opt, "chained_optimizers") else type(opt).__name__, "losses": [m["loss"] for m in steps],
-            "grad_norms": [m["grad_norm"] for m in steps]}
+    return {"dtype": str(next(chunks[0].parameters()).dtype), "optimizer": _optimizer_name(opt),
+            "losses": [m["loss"] for m in steps], "grad_norms": [m["grad_norm"] for m in steps],
+            "skipped": [m["skipped"] for m in steps], "perf": chunks[0].perf.to_dict()}
+
+
+def checkpoint(src: Path, work: Path) -> dict:
+    """bf16 + DistributedOptimizer on CUDA: one step, save, a second step; then a fresh learner loads
+    the checkpoint and takes the same second step. Both second steps must agree."""
+    from megatron_async.learner.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
+    from megatron_async.learner.model import build_model
+    from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
+
+    settings = OptimSettings(lr=1e-3, min_lr=1e-4, warmup_steps=2, decay_steps=10, decay_style="cosine")
+
+    def fresh():
+        chunks = build_model(src)
+        load_hf_weights(chunks, src)
+        return build_optimizer(chunks, settings)
+
+    ckpt = work / "ckpt"
+    ddp, opt, sched = fresh()
+    train_step(ddp, opt, sched, batches(320, seed=0), nll)
+    save_checkpoint(ckpt, ddp, opt, sched, extra={"step": 1})
+    a = train_step(ddp, opt, sched, batches(320, seed=1), nll)
+    wa = {k: v.float().cpu().clone() for k, v in iter_hf_weights(ddp)}
+    del ddp, opt, sched
+    ddp, opt, sched = fresh()
+    extra = load_checkpoint(ckpt, ddp, opt, sched)
+    b = train_step(ddp, opt, sched, batches(320, seed=1), nll)
+    wb = {k: v.float().cpu().clone() for k, v in iter_hf_weights(ddp)}
+    return {"optimizer": _optimizer_name(opt), "extra": extra, "loss_saved_run": a["loss"], "loss_resumed": b["loss"],
+            "lr_saved_run": a["lr"], "lr_resumed": b["lr"], "weight_max_diff": max((wa[k] - wb[k]).abs().max().item() for k in wa),
+            "same_names": sorted(wa) == sorted(wb)}
+
+
+def export(src: Path, work: Path) -> dict:
+    """A learner (bf16 on CUDA) written as an HF folder (`export_hf`), reloaded by transformers: the
+    tensors are the loaded checkpoint's in the learner's dtype, and transformers' logits match ours."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from megatron_async.learner.hf_export import export_hf
+    from megatron_async.learner.mapping import load_hf_weights
+    from megatron_async.learner.model import build_model
+
+    chunks = build_model(src)
+    load_hf_weights(chunks, src)
+    dst = export_hf(chunks, work / "hf_export", tokenizer_dir=src)
+    exported, source = load_file(str(dst / "model.safetensors")), load_file(str(src / "model.safetensors"))
+    dtype = next(chunks[0].parameters()).dtype
+    ids = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    hf = AutoModelForCausalLM.from_pretrained(str(dst), dtype=dtype).to(DEVICE).eval()
+    with torch.no_grad():
+        ours, theirs = logits_of(chunks, ids), hf(ids).logits.float()
+    return {"config_dtype": json.loads((dst / "config.json").read_text()).get("dtype"),
+            "names_match": sorted(exported) == sorted(source),
+            "model_dtype": str(dtype), "exported_dtypes": sorted({str(t.dtype) for t in exported.values()}),
+            "weights_equal_source_in_model_dtype": all(torch.equal(exported[k], source[k].to(dtype)) for k in source),
+            "logit_max_diff": (ours - theirs).abs().max().item(), "logit_scale": theirs.abs().max().item(),
+            "tokenizer_copied": (dst / "tokenizer.json").exists() or (dst / "tokenizer_config.json").exists()}
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["parity", "train"])
+    p.add_argument("mode", choices=["parity", "train", "checkpoint", "export"])
     p.add_argument("out", type=Path)
     p.add_argument("hf", type=Path)
     p.add_argument("--tp", type=int, default=1)
@@ -67,8 +153,13 @@ if __name__ == "__main__":
     from megatron_async.learner.parallel import destroy_parallel, init_parallel
 
     layout = init_parallel(a.tp, 1)
+    work = a.out.with_suffix(".work")
     try:
-        result = parity(a.hf) if a.mode == "parity" else train(a.hf)
+        if a.mode in ("checkpoint", "export"):
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
+        result = {"parity": lambda: parity(a.hf), "train": lambda: train(a.hf),
+                  "checkpoint": lambda: checkpoint(a.hf, work), "export": lambda: export(a.hf, work)}[a.mode]()
         if layout.rank == 0:
             a.out.write_text(json.dumps({"backend": torch.distributed.get_backend(), **result}, indent=2))
     finally:

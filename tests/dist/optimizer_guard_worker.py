@@ -1,6 +1,7 @@
 """Worker for tests/test_optimizer_guard.py: the NaN/inf gradient guard of `learner.optimizer.train_step`.
 
-    torchrun --nproc-per-node 2 tests/dist/optimizer_guard_worker.py OUT_DIR HF_DIR --tp 2
+    torchrun --nproc-per-node 2 tests/dist/optimizer_guard_worker.py OUT_DIR HF_DIR --tp 2   # CPU, gloo
+    python tests/dist/optimizer_guard_worker.py OUT_DIR HF_DIR          # also on CUDA (test_gpu_learner.py)
 
 The real megatron learner (gloo, CPU), five steps on one batch, each loss finite:
 1. a normal step: its grad_norm must be the real one (recomputed here from the main grads);
@@ -67,7 +68,7 @@ def main_grad_norm(ddp) -> float:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-    sq = torch.zeros(1, dtype=torch.float64)
+    sq = torch.zeros(1, dtype=torch.float64, device=next(ddp[0].parameters()).device)  # NCCL: on the GPU
     for c in ddp:
         for p in c.parameters():
             if param_is_not_tensor_parallel_duplicate(p):
