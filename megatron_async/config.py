@@ -91,7 +91,7 @@ class ParallelConfig:
         "world size (learner ranks); 0 = take WORLD_SIZE from torchrun. DP = world / (tp * pp).")
     learner_cpus: int | str = opt("",
         "CPU ids for the learner ranks (\"0\", \"0-3\", \"0,2\"; split evenly over local ranks when there are"
-        " enough): sched_setaffinity + torch threads. \"\" = no pinning. See cpu_affinity.py.")
+        " enough): sched_setaffinity + torch threads. \"\" = no pinning. See cluster/cpu_affinity.py.")
     # GPU performance settings (learner/perf.py): null = auto, on where megatron-core supports it with
     # our model, always off on CPU; true where it cannot work is an error naming the key.
     sequence_parallel: bool | None = opt(None,
@@ -169,12 +169,12 @@ class RolloutConfig:
     generate_timeout_s: float = opt(600.0, "a generation chunk slower than this fails the replica")
     replica_cpus: int | str = opt("",
         "CPU ids every replica process pins itself to (\"1\", \"2-3\"); \"\" = no pinning (if the learner is "
-        "pinned, replicas get the CPUs the learner had before pinning). See cpu_affinity.py.")
+        "pinned, replicas get the CPUs the learner had before pinning). See cluster/cpu_affinity.py.")
 
 
 @dataclass
 class TrainerConfig:
-    algorithm: AlgorithmName = opt("online_dpo", "the RL algorithm: algorithms/ (README \"Algorithms\")")
+    algorithm: AlgorithmName = opt("online_dpo", "the RL algorithm: algorithms/ (docs/algorithms.md)")
     steps: int = opt(20, "learner steps (one generation batch each)")
     lr: float = opt(5e-5, "peak learning rate of the policy (Adam)")
     min_lr: float = opt(0.0, "learning rate at the end of the decay")
@@ -232,21 +232,21 @@ class SFTConfig:
 @dataclass
 class RewardConfig:
     kind: Literal["gsm8k_exact_match", "reward_model"] = opt("gsm8k_exact_match",
-        "how a completion is scored: rewards.make_scorer (README \"Rewards\")")
+        "how a completion is scored: rewards.make_scorer (docs/rewards.md)")
     model_path: str = opt("", "HF sequence-classification checkpoint, num_labels=1 (kind=reward_model)")
     batch_size: int = opt(16, "kind=reward_model: texts per RM forward pass")
     max_length: int = opt(1024, "kind=reward_model: prompt + completion tokens kept (cut on the left)")
     dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "kind=reward_model: RM weights")
     device: str = opt("cpu",
         "kind=reward_model: where the RM process runs, \"cpu\" or \"cuda:N\" (a CUDA index as learner rank 0,"
-        " which starts it, sees it; not one of the replicas' GPUs: README \"Rewards\")")
+        " which starts it, sees it; not one of the replicas' GPUs: docs/rewards.md)")
     timeout_s: float = opt(30.0, "exact match: per sample; reward_model: per forward pass of batch_size texts")
     on_error: Literal["drop", "stop"] = opt("drop", "a failed sample is dropped (counted) or stops the run")
 
 
 @dataclass
 class PlacementConfig:
-    """Where learner ranks and replicas run; see megatron_async/placement.py and README "Multi-node"."""
+    """Where learner ranks and replicas run; see cluster/placement.py and docs/multi-node.md."""
 
     nnodes: int = opt(1, "nodes in the job (torchrun --nnodes); learner ranks run on every node")
     replica_node: int = opt(0,
