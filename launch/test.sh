@@ -1,6 +1,15 @@
 #!/usr/bin/env bash
 # Install everything into .venv (first run: ~5-8 min) and run the test suite with the real vLLM and
 # megatron-core on CPU. Extra arguments go to pytest, e.g. `bash launch/test.sh -k config -x`.
+#
+# Tiers (markers in pytest.ini, applied and enforced in tests/conftest.py):
+#   bash launch/test.sh -m "not integration"            fast tier: in-process unit tests (losses,
+#       batching, algorithms, config, data, rewards, mapping, placement, producer with fakes);
+#       starts no process (a test that does fails), < 2 min on 2 cores
+#   bash launch/test.sh -m "integration and not slow"   component tests that start processes:
+#       vLLM replicas, torchrun / megatron workers, an MLflow server, the reward-model worker, the CLI
+#   bash launch/test.sh -m slow                         whole `megatron-async train` jobs (minutes each)
+#   bash launch/test.sh                                 everything (~16-25 min on 2 cores; CI runs this)
 # Tests marked `gpu` skip themselves without CUDA; run them with `bash launch/gpu_check.sh`.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.dist import run_worker
 from tests.rollout_fixtures import build_variants
+
+pytestmark = pytest.mark.integration  # torchrun workers with vLLM replicas
 
 MODELS = ("gqa", "tied", "llama3", "qwen2")
 

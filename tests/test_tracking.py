@@ -28,7 +28,7 @@ def test_embedded_sqlite_store(tmp_path):
     assert [a.path for a in client.list_artifacts(t.run_id)] == ["eval.json"]
 
 
-@pytest.mark.slow
+@pytest.mark.integration  # a real `mlflow server` process
 def test_server_outage_loses_nothing(tmp_path, caplog):
     server = MlflowServer(tmp_path / "server").start()
     run_dir = tmp_path / "run"
