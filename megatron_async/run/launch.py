@@ -12,6 +12,7 @@ started by learner rank 0 (`run/rollout_state.py`), never by torchrun.
 """
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -50,7 +51,9 @@ def main(cfg: Config, config_path: str, overrides: list[str], nproc: int | None 
             cmd.append("--resume")
         return subprocess.call(cmd, env={**os.environ, CHECKED_ENV: "1"})
 
-    attach_log_file(cfg.run_dir / "train.log")  # library warnings, megatron's config dumps: file only
+    log_path = attach_log_file(cfg.run_dir / "train.log")  # library warnings, megatron's config dumps: file only
+    logging.getLogger(__name__).info("run %s in %s (full log: %s); building the learner and replicas...",
+                                     cfg.run.name, cfg.run_dir, log_path)
     pin_learner(cfg.parallel.learner_cpus)  # before any torch thread pool exists; replicas re-pin
     trainer = None
     try:
