@@ -141,6 +141,7 @@ class RolloutConfig:
     replica_tp: int = opt(1, "vLLM tensor parallel size per replica (GPU)")
     prompts_per_step: int = opt(16, "prompts generated per learner step (the paper's batch)")
     k: int = opt(4, "completions per prompt (K); DPO trains best vs worst")
+    max_k: int = opt(16, "trainer.auto_balance: the highest K it may choose")
     max_lag: int | Literal["auto"] = opt(1,
         "bound on policy staleness in learner steps; 0 = synchronous baseline; auto = adapted to the measured "
         "staleness (run/adaptive_lag.py: starts at 1, rises while KL < lag_kl_target and the learner waits "
@@ -187,6 +188,10 @@ class TrainerConfig:
     adam_beta2: float = opt(0.95, "Adam beta2")
     minibatches: int = opt(1, "N: minibatches (optimizer steps) per generation batch")
     updates_per_batch: int = opt(1, "T: passes over each batch")
+    auto_balance: bool = opt(False,
+        "raise T while generation-bound and rollout.k while training-bound, each within its bound "
+        "(run/auto_balance.py: the paper's Section 4)")
+    max_updates_per_batch: int = opt(4, "auto_balance: the highest T it may choose")
     micro_batch_size: int = opt(8, "sequences per forward/backward microbatch")
     beta: float = opt(0.1, "DPO beta / KL coefficient")
     dpo_loss: Literal["sigmoid", "ipo"] = opt("sigmoid", "online_dpo: the DPO (sigmoid) or IPO loss")
@@ -443,6 +448,10 @@ def validate(cfg: Config) -> None:
     _require(0 <= t.icepop_low < t.icepop_high, "trainer.icepop_low", t.icepop_low,
              f"must be in [0, trainer.icepop_high = {t.icepop_high})")
     _require(t.grpo_kl_coef >= 0, "trainer.grpo_kl_coef", t.grpo_kl_coef, "must be >= 0")
+    if t.auto_balance:
+        _require(t.max_updates_per_batch >= t.updates_per_batch, "trainer.max_updates_per_batch",
+                 t.max_updates_per_batch, f"must be >= trainer.updates_per_batch ({t.updates_per_batch})")
+        _require(r.max_k >= r.k, "rollout.max_k", r.max_k, f"must be >= rollout.k ({r.k})")
     for ok, key, value, why in ALGORITHMS[t.algorithm].rules(cfg):
         _require(ok, key, value, why)
     _require(t.lr > 0, "trainer.lr", t.lr, "must be > 0")

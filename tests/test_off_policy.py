@@ -207,3 +207,17 @@ def test_auto_lag_and_correction_keys_are_checked():
     assert resolve_correction(load_config(None, ["rollout.max_lag=0"])) == "none"
     assert resolve_correction(load_config(None, [])) == "tis"
     assert resolve_correction(load_config(None, ["trainer.off_policy_correction=icepop"])) == "icepop"
+
+
+def test_auto_balance_raises_t_when_generation_bound_and_k_when_training_bound():
+    from megatron_async.run.auto_balance import AutoBalance
+
+    b = AutoBalance(updates=1, k=4, max_updates=2, max_k=5)
+    assert b.update(learner_wait_s=1.0, replica_wait_s=0.0, step_s=2.0) and (b.updates, b.k) == (2, 4)
+    assert "generation-bound" in b.reason
+    assert not b.update(learner_wait_s=1.0, replica_wait_s=0.0, step_s=2.0)  # T at its bound
+    assert b.update(learner_wait_s=0.0, replica_wait_s=0.5, step_s=2.0) and (b.updates, b.k) == (2, 5)
+    assert "training-bound" in b.reason
+    assert not b.update(learner_wait_s=0.05, replica_wait_s=0.05, step_s=2.0)  # balanced: nothing moves
+    with pytest.raises(ConfigError, match="rollout.max_k"):
+        load_config(None, ["trainer.auto_balance=true", "rollout.k=8", "rollout.max_k=4"])

@@ -53,6 +53,11 @@ class RolloutBatch:
     score_seconds: float = 0.0
     data_state: dict = field(default_factory=dict)  # prompt iterator state after this batch
 
+    @property
+    def k(self) -> int:
+        """Completions per prompt this batch was sampled with."""
+        return len(self.completions[0])
+
 
 class RolloutProducer:
     """Generates batch after batch in a background thread, each admitted at its policy version.

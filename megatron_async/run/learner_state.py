@@ -100,9 +100,10 @@ class LearnerState:
         return compute_values(self.value.chunks, microbatches)
 
     # -- one learner step ------------------------------------------------------------------------
-    def step(self, batch: RolloutBatch, step: int) -> dict[str, float]:
-        """Train on batch `step`: N minibatches (optimizer steps) x T passes. Same on every rank."""
+    def step(self, batch: RolloutBatch, step: int, updates: int) -> dict[str, float]:
+        """Train on batch `step`: N minibatches (optimizer steps) x T = `updates` passes. Same on every rank."""
         t, algo = self.cfg.trainer, self.algorithm
+        algo.k = batch.k  # K of this batch (trainer.auto_balance may change it between batches)
         samples = [Sample.from_completion(c, r) for comps, rewards in zip(batch.completions, batch.rewards)
                    for c, r in zip(comps, rewards) if r is not None]
         rows, metrics = algo.select(samples)
@@ -123,7 +124,7 @@ class LearnerState:
         metrics.update({key: float(v) for key, v in algo.prepare(minibatches, self).items()})
         loss_fn = faults.poison_loss_at(step, algo.loss)
         policy_metrics, value_metrics = [], []
-        for _ in range(t.updates_per_batch):  # T passes
+        for _ in range(updates):  # T passes
             for mbs in minibatches:  # N optimizer steps
                 policy_metrics.append(self.policy.train_step(mbs, loss_fn))
                 if self.value is not None:

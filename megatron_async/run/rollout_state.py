@@ -29,6 +29,7 @@ from megatron_async.rollout.producer import RolloutBatch, RolloutProducer
 from megatron_async.rollout.replica import Sampling
 from megatron_async.run import faults
 from megatron_async.run.adaptive_lag import START_LAG, AdaptiveLag
+from megatron_async.run.auto_balance import AutoBalance
 from megatron_async.run.evaluate import EVAL_METRIC, greedy_eval
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ class RolloutState:
     data_state: dict  # prompt position after the last trained batch
     producer: RolloutProducer | None = None  # started by `start_producer`
     adaptive_lag: AdaptiveLag | None = None  # rollout.max_lag: auto (run/adaptive_lag.py); None for a fixed lag
+    balance: AutoBalance | None = None  # trainer.auto_balance (run/auto_balance.py); None: T and K fixed
+    replica_idle_before: float = 0.0  # the producer's idle seconds at the previous step (balance's per-step wait)
     history: list[dict] = field(default_factory=list)  # per-step metrics, for plots and `bench`
     resumed_buffer: list[RolloutBatch] = field(default_factory=list)  # generated, untrained batches of a checkpoint
 
@@ -63,7 +66,9 @@ class RolloutState:
                  pool.pids())
         adaptive = AdaptiveLag(cfg.rollout.lag_kl_target, cfg.rollout.lag_cap) if cfg.rollout.max_lag == "auto" else None
         return cls(cfg, tokenizer, prompts, eval_prompts, scorer, pool, data_state=prompts.state_dict(),
-                   adaptive_lag=adaptive)
+                   adaptive_lag=adaptive, balance=AutoBalance(cfg.trainer.updates_per_batch, cfg.rollout.k,
+                                                              cfg.trainer.max_updates_per_batch, cfg.rollout.max_k)
+                   if cfg.trainer.auto_balance else None)
 
     def restore(self, state: dict) -> None:
         """Rollout state of a run checkpoint (`run/checkpoint.py`)."""
@@ -83,9 +88,10 @@ class RolloutState:
     def make_batch(self, index: int) -> RolloutBatch:
         """Take the next prompts, generate K completions of each through the pool, score them."""
         r = self.cfg.rollout
+        k = self.k()
         prompts = self.prompts.take(r.prompts_per_step)
         data_state = self.prompts.state_dict()
-        sampling = Sampling(n=r.k, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_new_tokens,
+        sampling = Sampling(n=k, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_new_tokens,
                             stop=tuple(r.stop), seed=self.cfg.run.seed * 1_000_003 + index * 10_007)
         t0 = time.monotonic()
         faults.kill_replica_during(index, self.pool.pids()[0])
@@ -95,16 +101,16 @@ class RolloutState:
         # samples do not depend on the chunking).
         replicas = max(1, len(self.pool.pids()))
         chunk = max(min(16, math.ceil(len(prompts) / (4 * replicas))),
-                    min(math.ceil(GEN_CHUNK_SEQS / r.k), math.ceil(len(prompts) / replicas)))
+                    min(math.ceil(GEN_CHUNK_SEQS / k), math.ceil(len(prompts) / replicas)))
         records = self.pool.generate([p.ids for p in prompts], sampling, chunk_size=max(1, chunk))
         gen_seconds = time.monotonic() - t0
         t0 = time.monotonic()
-        completions = [records[i * r.k:(i + 1) * r.k] for i in range(len(prompts))]
+        completions = [records[i * k:(i + 1) * k] for i in range(len(prompts))]
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in records]
         report = self.scorer.score([prompts[c.prompt_index] for c in records], texts,
                                    [prompts[c.prompt_index].problem.answer for c in records], self.cfg.reward.on_error)
         scores = [s.reward if s.ok else None for s in report.scores]
-        rewards = [scores[i * r.k:(i + 1) * r.k] for i in range(len(prompts))]
+        rewards = [scores[i * k:(i + 1) * k] for i in range(len(prompts))]
         return RolloutBatch(index=index, policy_version=-1, problems=[p.problem for p in prompts],
                             completions=completions, rewards=rewards, reward_errors=report.n_errors,
                             reward_timeouts=report.n_timeouts, gen_seconds=gen_seconds,
@@ -147,7 +153,8 @@ class RolloutState:
                         "reward/timeouts": float(batch.reward_timeouts),
                         "rollout/tokens_per_s": n_tokens / max(batch.gen_seconds, 1e-9),
                         "rollout/replica_idle_s": self.producer.idle_seconds,
-                        "rollout/max_lag": float(self.producer.max_lag)})
+                        "rollout/max_lag": float(self.producer.max_lag),
+                        "balance/updates_per_batch": float(self.updates_per_batch()), "balance/k": float(batch.k)})
         self.data_state = batch.data_state
         self.history.append({"step": step, **metrics})
         tracker.log_metrics(metrics, step=step)
@@ -155,6 +162,22 @@ class RolloutState:
                  step, mean, metrics.get("train/loss", float("nan")), metrics.get("kl/ref", float("nan")),
                  metrics["rollout/lag_mean"], batch.gen_seconds, metrics["timing/train_s"],
                  metrics["timing/sync_s"], metrics["timing/learner_idle_s"])
+
+    def k(self) -> int:
+        """Completions per prompt for the batches generated from now on."""
+        return self.cfg.rollout.k if self.balance is None else self.balance.k
+
+    def updates_per_batch(self) -> int:
+        """T: the learner's passes over its next batch."""
+        return self.cfg.trainer.updates_per_batch if self.balance is None else self.balance.updates
+
+    def rebalance(self, step: int, metrics: dict[str, float]) -> None:
+        """trainer.auto_balance: raise T or K by this step's waits of learner and replicas."""
+        replica_wait = self.producer.idle_seconds - self.replica_idle_before
+        self.replica_idle_before = self.producer.idle_seconds
+        if self.balance is not None and self.balance.update(metrics["timing/learner_idle_s"], replica_wait,
+                                                            metrics["timing/step_wall_s"]):
+            log.info("step %d: %s", step, self.balance.reason)
 
     def adapt_lag(self, step: int, metrics: dict[str, float]) -> None:
         """rollout.max_lag: auto: move the lag by this step's staleness and learner wait."""

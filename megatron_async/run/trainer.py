@@ -103,9 +103,9 @@ class Trainer:
             timer = StepTimer()  # timing/*: the steps phase only (no set-up, SFT, eval)
             with timer("step_wall"):
                 with timer("learner_idle"):
-                    batch = self._next_batch(step)
+                    batch, updates = self._next_batch(step)
                 with timer("train"):
-                    metrics = self.learner.step(batch, step)
+                    metrics = self.learner.step(batch, step, updates)
                 with timer("learner_wait_old"):  # the old weights serve batches up to step + max_lag
                     self._wait_until(lambda: self.rollout.producer.old_weights_done(step))
                 with timer("sync"):
@@ -119,6 +119,7 @@ class Trainer:
             if self.rollout is not None:
                 self.rollout.record_step(step, batch, metrics, self.tracker)
                 self.rollout.adapt_lag(step, metrics)
+                self.rollout.rebalance(step, metrics)
             if (t.checkpoint_every and (step + 1) % t.checkpoint_every == 0) or step + 1 == t.steps:
                 self._checkpoint(next_step=step + 1)
                 faults.crash_after_checkpoint(step + 1)
@@ -133,10 +134,11 @@ class Trainer:
         if self.rollout is not None:
             self.rollout.finish(before, after, self.tracker)
 
-    def _next_batch(self, step: int) -> RolloutBatch:
-        """All ranks: batch `step`, once rank 0's producer has generated it."""
+    def _next_batch(self, step: int) -> tuple[RolloutBatch, int]:
+        """All ranks: batch `step`, once rank 0's producer has generated it, and T, the passes over it."""
         self._wait_until(lambda: self.rollout.producer.has(step))
-        return _broadcast(self.rollout.producer.take(step) if self.rollout is not None else None, self.ctrl)
+        plan = (self.rollout.producer.take(step), self.rollout.updates_per_batch()) if self.rollout is not None else None
+        return _broadcast(plan, self.ctrl)
 
     def _wait_until(self, ready: Callable[[], bool]) -> None:
         """All ranks: wait until rank 0's `ready()` holds; push weights to restarted replicas meanwhile."""

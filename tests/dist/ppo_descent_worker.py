@@ -67,7 +67,8 @@ if __name__ == "__main__":
                         for i, s in enumerate(samples) if s.prompt_index == prompt] for prompt in range(4)]
         batch = RolloutBatch(index=0, policy_version=0, problems=[None] * 4, completions=completions,
                              rewards=[[1.0, 0.0]] * 4)
-        history = [learner.step(batch, step=0) for _ in range(6)]
+        updates = cfg.trainer.updates_per_batch
+        history = [learner.step(batch, 0, updates) for _ in range(6)]
         after = compute_logprobs(learner.policy.chunks, mbs)[0]
         ctrl = torch.distributed.new_group(backend="gloo")
         # rank 0 saves an empty rollout state beside the learner's (no producer, prompts or history here)
@@ -75,7 +76,7 @@ if __name__ == "__main__":
         path = save_run_checkpoint(cfg, learner, rollout if layout.rank == 0 else None, ctrl, next_step=6)
         resumed = new_learner()
         load_run_checkpoint(cfg, resumed, path)
-        continued_step, resumed_step = learner.step(batch, step=6), resumed.step(batch, step=6)
+        continued_step, resumed_step = learner.step(batch, 6, updates), resumed.step(batch, 6, updates)
         if torch.distributed.get_rank() == 0:
             mask = mbs[0]["loss_mask"]
             with open(a.out, "w") as f:
