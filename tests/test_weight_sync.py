@@ -4,6 +4,9 @@ After every sync, vLLM's sampled-token logprobs must equal transformers' logprob
 tokens under the pushed weights (fp32, max |diff| < 1e-3), on every replica. The replicas are on
 this host, so the default transport (auto) is shared memory; tests that name `socket` cover the
 socket path on the same replicas.
+
+The real-vLLM tests share one 2-replica pool. Each pushes the next version after the one the
+replicas hold and leaves them healthy, so every test passes alone or after any other.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from megatron_async.weights.buckets import (
 )
 from megatron_async.weights.shm import SHM_DIR, ShmSegment, open_segment
 from megatron_async.weights.sync import WeightSender, WeightSyncError, transport_for
-from tests.rollout_fixtures import LOGPROB_TOL, build_models, max_logprob_diff, spec, state_dict
+from tests.rollout_fixtures import LOGPROB_TOL, max_logprob_diff, spec, state_dict
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 40, 41, 42, 43], [1, 100], [1, 7, 7, 7, 7, 7], [1, 200, 3], [1, 12], [1, 60, 61]]
 SMALL_BUCKET = 48 << 10  # splits q/k/v and gate/up of one layer over several buckets
@@ -122,22 +125,33 @@ def test_fused_group_names():
     assert fused_group("model.layers.0.self_attn.o_proj.weight", packed) == ("model.layers.0.self_attn.o_proj.weight", None, 1)
 
 
-# -- real vLLM ------------------------------------------------------------------------------------
+# -- real vLLM (integration) ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return build_models(tmp_path_factory.mktemp("models"))
+def models(tiny_models):
+    return tiny_models
 
 
 @pytest.fixture(scope="module")
 def pool(models, tmp_path_factory):
     with ReplicaPool(spec(models[0]), 2, log_dir=tmp_path_factory.mktemp("logs"), request_timeout_s=120) as p:
+        p.held = models[0]  # the checkpoint the replicas hold, set by every completed push
         yield p
+
+
+def held_version(pool) -> int:
+    """The version every replica holds; replicas that an earlier (failed) test left apart are resynced."""
+    statuses = pool.health_check()
+    if len({s["version"] for s in statuses}) > 1 or not all(s["weights_ok"] for s in statuses):
+        push(pool, max(s["version"] for s in statuses) + 1, pool.held)
+        statuses = pool.health_check()
+    return statuses[0]["version"]
 
 
 def push(pool, version, model_dir, **kw):
     with WeightSender(pool.addresses, pool.authkey, timeout_s=kw.pop("timeout_s", 30), bucket_bytes=SMALL_BUCKET, **kw) as s:
         metrics = s.push(version, 0, 1, iter(state_dict(model_dir).items()))
     assert not [f for f in os.listdir(SHM_DIR) if f.startswith(f"mas-wsync-{os.getpid()}-")]  # segment removed
+    pool.held = model_dir
     return metrics
 
 
@@ -150,53 +164,65 @@ def sample_and_check(pool, model_dir, version):
     return records
 
 
+@pytest.mark.integration
 def test_update_changes_outputs_and_logprobs_match_transformers(pool, models):
     greedy = Sampling(n=1, max_tokens=12, temperature=0.0)
+    version, old = held_version(pool) + 1, pool.held
+    new = next(m for m in models if m != old)
     before = pool.generate(PROMPTS, greedy)
-    assert max_logprob_diff(models[0], before) < LOGPROB_TOL
-    metrics = push(pool, 1, models[1])
+    assert max_logprob_diff(old, before) < LOGPROB_TOL
+    metrics = push(pool, version, new)
     assert metrics["transports"] == ["shm"]
     assert metrics["buckets"] > 10 and metrics["completed"] == 2 and metrics["replicas"] == 2 and not metrics["failed"]
-    assert metrics["bytes"] > sum(t.nbytes for t in state_dict(models[1]).values()) and metrics["gb_per_s"] > 0
+    assert metrics["bytes"] > sum(t.nbytes for t in state_dict(new).values()) and metrics["gb_per_s"] > 0
     after = pool.generate(PROMPTS, greedy)
     assert [r.token_ids for r in after] != [r.token_ids for r in before]
-    assert max_logprob_diff(models[1], after) < LOGPROB_TOL
-    records = sample_and_check(pool, models[1], 1)
+    assert max_logprob_diff(new, after) < LOGPROB_TOL
+    records = sample_and_check(pool, new, version)
     assert {r.replica_id for r in records} == {0, 1}  # both replicas received the update and served
 
 
+@pytest.mark.integration
 def test_versions_across_several_syncs_and_transports(pool, models):
-    for version, model_dir, transport in [(2, models[2], "socket"), (3, models[0], "shm"), (4, models[1], "socket")]:
+    v = held_version(pool)
+    for version, model_dir, transport in [(v + 1, models[2], "socket"), (v + 2, models[0], "shm"), (v + 3, models[1], "socket")]:
         assert push(pool, version, model_dir, transport=transport)["transports"] == [transport]
         sample_and_check(pool, model_dir, version)
 
 
+@pytest.mark.integration
 def test_pipeline_stages_hold_generation_until_every_stage_arrived(pool, models):
+    held = held_version(pool)
+    version = held + 1
     items = list(state_dict(models[2]).items())
     half = len(items) // 2
     sender0 = WeightSender(pool.addresses, pool.authkey, timeout_s=30, bucket_bytes=SMALL_BUCKET)
     sender1 = WeightSender(pool.addresses, pool.authkey, timeout_s=30, bucket_bytes=SMALL_BUCKET)
     try:
-        m0 = sender0.push(5, 0, 2, iter(items[:half]))
+        m0 = sender0.push(version, 0, 2, iter(items[:half]))
         assert m0["completed"] == 0  # stage 1 still missing: version not published
-        assert all(s["version"] == 4 and s["updating"] == 5 for s in pool.health_check())
+        assert all(s["version"] == held and s["updating"] == version for s in pool.health_check())
         result = {}
         gen = threading.Thread(target=lambda: result.update(r=pool.generate(PROMPTS[:2], Sampling(max_tokens=4))))
         gen.start()
         gen.join(1.5)
         assert gen.is_alive()  # held off while the update is incomplete
-        m1 = sender1.push(5, 1, 2, iter(items[half:]))
+        m1 = sender1.push(version, 1, 2, iter(items[half:]))
         assert m1["completed"] == 2
+        pool.held = models[2]
         gen.join(60)
-        assert {r.policy_version for r in result["r"]} == {5}
-        sample_and_check(pool, models[2], 5)
+        assert {r.policy_version for r in result["r"]} == {version}
+        sample_and_check(pool, models[2], version)
     finally:
         sender0.close()
         sender1.close()
 
 
-@pytest.mark.parametrize("transport, version", [("socket", 6), ("shm", 7)])
-def test_bad_checksum_fails_loudly_and_replica_refuses_until_repaired(pool, models, monkeypatch, transport, version):
+@pytest.mark.integration
+@pytest.mark.parametrize("transport", ["socket", "shm"])
+def test_bad_checksum_fails_loudly_and_replica_refuses_until_repaired(pool, models, monkeypatch, transport):
+    version = held_version(pool) + 1
+
     def corrupted(named, cap, alloc):
         for b in iter_buckets(named, cap, alloc):
             if b.index == 3:
@@ -215,7 +241,10 @@ def test_bad_checksum_fails_loudly_and_replica_refuses_until_repaired(pool, mode
     sample_and_check(pool, models[0], version)
 
 
+@pytest.mark.integration
 def test_missing_segment_fails_loudly(pool, models, monkeypatch):
+    version = held_version(pool) + 1
+
     def unlinked(named, cap, alloc):
         for b in iter_buckets(named, cap, alloc):
             for name in os.listdir(SHM_DIR):  # the segment vanishes before any replica maps it
@@ -225,24 +254,26 @@ def test_missing_segment_fails_loudly(pool, models, monkeypatch):
 
     monkeypatch.setattr(sync_mod, "iter_buckets", unlinked)
     t0 = time.monotonic()
-    with pytest.raises(WeightSyncError, match=r"version 8.*/dev/shm/mas-wsync-\S+ not found"):
-        push(pool, 8, models[1])
+    with pytest.raises(WeightSyncError, match=rf"version {version}.*/dev/shm/mas-wsync-\S+ not found"):
+        push(pool, version, models[1])
     assert time.monotonic() - t0 < 10
     monkeypatch.undo()
     assert [s["weights_ok"] for s in pool.health_check()] == [False, False]
-    push(pool, 8, models[1])
-    sample_and_check(pool, models[1], 8)
+    push(pool, version, models[1])
+    sample_and_check(pool, models[1], version)
 
 
+@pytest.mark.integration
 def test_stalled_replica_fails_the_sync_within_its_timeout(pool, models):
+    version = held_version(pool) + 1
     pid = pool.pids()[1]
     os.kill(pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
-        with pytest.raises(WeightSyncError, match=rf"version 9.*replica at 127\.0\.0\.1:{pool.addresses[1][1]}"):
-            push(pool, 9, models[1], timeout_s=3)
+        with pytest.raises(WeightSyncError, match=rf"version {version}.*replica at 127\.0\.0\.1:{pool.addresses[1][1]}"):
+            push(pool, version, models[1], timeout_s=3)
         assert time.monotonic() - t0 < 15
     finally:
         os.kill(pid, signal.SIGCONT)
-    push(pool, 9, models[0])
-    sample_and_check(pool, models[0], 9)
+    push(pool, version, models[0])
+    sample_and_check(pool, models[0], version)
