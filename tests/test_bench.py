@@ -165,3 +165,19 @@ def test_write_sweep_writes_csv_json_and_png_with_failed_rows(tmp_path):
     assert got[3]["same_run_as"] == "N=1"
     assert json.loads((tmp_path / "sweep.json").read_text())["rows"][2]["final_kl"] == 0.05
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_time_to_quality_places_each_evaluation_at_its_steps_wall_time():
+    from megatron_async.bench.commands import time_to_quality_report
+
+    history = [{"step": s, "timing/step_wall_s": 2.0} for s in range(4)]
+    curve = report.quality_curve(history, {2: 0.3, 4: 0.5})  # eval_step2.json, then eval_after.json
+    assert curve == [(4.0, 0.3), (8.0, 0.5)]
+    assert report.time_to_quality(curve, 0.3) == 4.0 and report.time_to_quality(curve, 0.6) is None
+    runs = {"sync": {1: {"quality_curve": curve}},
+            "async": {1: {"quality_curve": [(3.0, 0.4), (6.0, 0.55)]}},
+            "auto": {1: {"quality_curve": [(3.0, 0.1), (6.0, 0.2)]}}}
+    t = time_to_quality_report(runs, [1])
+    assert t["sync"] == {"seconds": [8.0], "ratio_to_sync": [1.0]}
+    assert t["async"] == {"seconds": [6.0], "ratio_to_sync": [0.75]}
+    assert t["auto"] == {"seconds": [None], "ratio_to_sync": [None]}  # never reached sync's final

@@ -11,7 +11,10 @@ drift of a shared machine's load hits both modes alike. Per-step timings come fr
 `history.json` (`bench/report.py` has the arithmetic). SFT runs once (its model is shared by every
 run, `sft.steps=0` afterwards), so runs differ only in what is measured. With `--contention` it also
 measures generation and training alone vs together on the pinned cores (`bench/contention.py`);
-with `--rollout` it folds `tools/bench_rollout.py`'s tokens/s ratio and sync seconds in.
+with `--rollout` it folds `tools/bench_rollout.py`'s tokens/s ratio and sync seconds in. `--modes
+auto balance` adds runs with rollout.max_lag=auto and with trainer.auto_balance; `--eval-every E`
+evaluates every E steps and reports the paper's headline, each mode's wall time to the sync run's
+final held-out pass@1 and its ratio to sync (`time_to_quality`).
 Writes `bench_async.json` and `bench_async_timeline.png` into --out-dir.
 
 `sweep`: N (trainer.minibatches) for each algorithm, then T (trainer.updates_per_batch) and K
@@ -119,6 +122,13 @@ def run_training(config: str, overrides: list[str], out_dir: Path, name: str, la
         if p.exists():
             ev = json.loads(p.read_text())
             result[f"pass_at_1_{tag}"], result["eval_n"] = ev["pass@1"], ev["n"]
+    evals = {}  # policy version -> the held-out metric (pass@1, or the RM score)
+    for p in run_dir.glob("eval_step*.json"):
+        ev = json.loads(p.read_text())
+        evals[int(p.stem.removeprefix("eval_step"))] = ev[ev["metric"]]
+    if "pass_at_1_after" in result:
+        evals[len(result["history"])] = result["pass_at_1_after"]
+    result["quality_curve"] = report.quality_curve(result["history"], evals)
     return result
 
 
@@ -148,6 +158,8 @@ def prepare_sft(config: str, overrides: list[str], out_dir: Path, timeout_s: flo
 def bench_async(args) -> int:
     out_dir = Path(args.out_dir).resolve()
     base = [*pin_overrides(args.pin), *args.overrides, "trainer.checkpoint_every=0"]
+    if args.eval_every:
+        base.append(f"trainer.eval_every={args.eval_every}")
     started = machine()
     shared = prepare_sft(args.config, base, out_dir, args.timeout_s, args.init_model)
     from megatron_async.config import load_config
@@ -163,6 +175,10 @@ def bench_async(args) -> int:
         runs[(seed, lag)] = run_training(args.config, [*base, *shared, f"rollout.max_lag={lag}", f"run.seed={seed}"],
                                          out_dir / "runs", name, label=name, timeout_s=args.timeout_s,
                                          steps=cfg.trainer.steps)
+    extra = {mode: {seed: run_training(args.config, [*base, *shared, *QUALITY_MODES[mode], f"run.seed={seed}"],
+                                       out_dir / "runs", f"{mode}_seed{seed}", label=f"{mode}_seed{seed}",
+                                       timeout_s=args.timeout_s, steps=cfg.trainer.steps)
+                    for seed in args.seeds} for mode in args.modes}
     sync = [report.mode_summary(runs[(s, 0)]["history"]) for s in args.seeds]
     asyn = [report.mode_summary(runs[(s, 1)]["history"]) for s in args.seeds]
     result = {
@@ -181,6 +197,10 @@ def bench_async(args) -> int:
                   "summary": report.mode_summary(runs[(s, lag)]["history"]),
                   "per_step": report.per_step_timings(runs[(s, lag)]["history"])} for s, lag in order],
     }
+    if args.eval_every:  # the paper's headline: wall time to the sync run's final held-out pass@1
+        curves = {"sync": {s: runs[(s, 0)] for s in args.seeds}, "async": {s: runs[(s, 1)] for s in args.seeds},
+                  **extra}
+        result["time_to_quality"] = time_to_quality_report(curves, args.seeds)
     if args.contention:
         from megatron_async.bench.contention import run_contention
 
@@ -203,8 +223,32 @@ def bench_async(args) -> int:
           f"load {started['load_avg_1_5_15'][0]:.1f} -> {result['machine_end']['load_avg_1_5_15'][0]:.1f}")
     for mode, q in result["quality"].items():
         print(f"{mode}: final reward {q['final_reward']} final KL {q['final_kl']} pass@1 after {q['pass_at_1_after']}")
+    for mode, t in result.get("time_to_quality", {}).items():
+        print(f"time to sync's final pass@1, {mode}: {t['seconds']} s, ratio to sync {t['ratio_to_sync']}")
     print(f"wrote {json_path} and {png}")
     return 0
+
+
+QUALITY_MODES = {  # `bench async --modes`: runs beside sync (max_lag=0) and async (max_lag=1)
+    "auto": ["rollout.max_lag=auto"],
+    "balance": ["rollout.max_lag=1", "trainer.auto_balance=true"],
+}
+
+
+def time_to_quality_report(runs: dict[str, dict[int, dict]], seeds: list[int]) -> dict:
+    """Per mode and seed: the wall seconds (steps phase) until the first evaluation at or above the
+    sync run's final pass@1 of that seed, and the ratio to sync's own (None: never reached)."""
+    out = {}
+    for mode, by_seed in runs.items():
+        seconds, ratios = [], []
+        for s in seeds:
+            target = runs["sync"][s]["quality_curve"][-1][1]
+            sync_t = report.time_to_quality(runs["sync"][s]["quality_curve"], target)
+            t = report.time_to_quality(by_seed[s]["quality_curve"], target)
+            seconds.append(t)
+            ratios.append(None if t is None else t / sync_t)
+        out[mode] = {"seconds": seconds, "ratio_to_sync": ratios}
+    return out
 
 
 def fold_rollout(out_dir: Path, argv: list[str]) -> dict:
@@ -329,6 +373,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--contention", action="store_true", help="also measure gen/train alone vs together")
     a.add_argument("--contention-s", type=float, default=20.0, help="seconds per contention phase")
     a.add_argument("--rollout", action="store_true", help="also run tools/bench_rollout.py --models tiny")
+    a.add_argument("--modes", nargs="*", default=[], choices=sorted(QUALITY_MODES),
+                   help="more modes per seed: auto (rollout.max_lag=auto), balance (max_lag=1 + trainer.auto_balance)")
+    a.add_argument("--eval-every", type=int, default=0,
+                   help="evaluate every N steps (trainer.eval_every) and report each mode's wall time to the sync "
+                        "run's final held-out pass@1 and its ratio to sync (the paper's time-to-quality)")
     s = sub.add_parser("sweep", help="the paper's N / T / K sweeps: final reward vs KL")
     common(s)
     s.add_argument("--algorithms", nargs="+", default=["online_dpo", "ppo", "rloo"])

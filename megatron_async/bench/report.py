@@ -95,6 +95,24 @@ def mode_summary(history: Sequence[dict], tail: int = 3) -> dict:
     return out
 
 
+def quality_curve(history: Sequence[dict], evals: dict[int, float]) -> list[tuple[float, float]]:
+    """[(wall seconds of the steps phase, held-out metric)] of a run's evaluations, in order.
+
+    `evals` maps the policy version evaluated (eval_step<N>.json: N; eval_after.json: the number
+    of steps) to its metric; an evaluation of version N runs inside step N-1's wall time, so it is
+    placed at the cumulative `timing/step_wall_s` of steps 0..N-1."""
+    walls, total = {}, 0.0
+    for h in sorted(history, key=lambda h: h["step"]):
+        total += h["timing/step_wall_s"]
+        walls[h["step"] + 1] = total
+    return [(walls[v], evals[v]) for v in sorted(evals) if v in walls]
+
+
+def time_to_quality(curve: Sequence[tuple[float, float]], target: float) -> float | None:
+    """Wall seconds until the first evaluation at or above `target`; None if none reached it."""
+    return next((wall for wall, value in curve if value >= target), None)
+
+
 def speedup_report(sync_runs: Sequence[dict], async_runs: Sequence[dict]) -> dict:
     """Speedup, ideal and efficiency from per-seed `mode_summary` dicts of both modes.
 
