@@ -44,7 +44,7 @@ from pathlib import Path
 from megatron_async.bench import report
 from megatron_async.io_utils import atomic_write_text
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the repository (tools/, configs/)
 STEP_LINE = re.compile(rb"\bstep (\d+) \| reward")
 
 
