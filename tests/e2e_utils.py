@@ -35,7 +35,8 @@ def coin_flip_data(out_dir) -> list[str]:
     """Overrides for a data set whose answer is a coin flip ("#### 1" or "#### 2", not predictable
     from the question): 60 SFT steps teach the tiny model the answer format, so about half of the
     samples are right and the K samples of a prompt rarely tie. Online DPO then forms pairs in
-    every step (measured 5-8 of 8 prompts), which synthetic arithmetic cannot give a model this small."""
+    every step (measured 5-8 of 8 prompts), which synthetic arithmetic cannot give a model this small.
+    They set sft.steps: an `sft.steps=...` given after them (later overrides win) undoes that."""
     rng = random.Random(0)
     path = Path(out_dir) / "coin_flip.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -91,15 +92,18 @@ def history(run_dir: Path) -> dict[int, dict[str, float]]:
     return {h["step"]: h for h in json.loads((Path(run_dir) / "history.json").read_text())}
 
 
-def assert_trained(run_dir: Path, steps: int = STEPS, *, every_step: bool = True, skipped=()) -> dict[int, dict]:
+def assert_trained(run_dir: Path, steps: int = STEPS, *, every_step: bool = True, skipped=(),
+                   learning_signal: bool = True) -> dict[int, dict]:
     """The run really trained; returns its history.
 
     - history.json has steps 0..steps-1, and MLflow holds the same `train/rows`;
     - every step (`every_step=False`: at least one, for Online DPO, which skips a batch whose
       prompts all tie) trained on rows > 0 with a finite loss and gradient norm, not skipped;
       the steps in `skipped` (NaN faults) were skipped;
-    - some step's gradient was non-zero, and the exported policy (hf_final) differs from version 0
-      (sft_model, or base_model without SFT).
+    - the exported policy (hf_final) differs from version 0 (sft_model, or base_model without SFT);
+    - `learning_signal`: some trained step had rewards that differ (reward/std > 0) and a gradient
+      norm above 1e-3. Without it a run passes the checks above on noise: RLOO on a batch whose
+      rewards are all 0 has gradients ~1e-6, which Adam still turns into weight changes of ~lr.
     """
     from safetensors.torch import load_file
 
@@ -116,7 +120,9 @@ def assert_trained(run_dir: Path, steps: int = STEPS, *, every_step: bool = True
         h = hist[s]
         assert h["train/rows_this_dp_rank"] > 0 and h["train/skipped"] == 0.0, (s, h)
         assert math.isfinite(h["train/loss"]) and math.isfinite(h["train/grad_norm"]), (s, h)
-    assert any(hist[s]["train/grad_norm"] > 0 for s in trained), {s: hist[s]["train/grad_norm"] for s in trained}
+    if learning_signal:
+        signal = {s: (hist[s]["reward/std"], hist[s]["train/grad_norm"]) for s in trained}
+        assert any(std > 0 and grad > 1e-3 for std, grad in signal.values()), f"(reward/std, grad norm) per step: {signal}"
     logged = metrics(run_dir)["train/rows"]
     assert {s: logged.get(s) for s in trained} == {s: rows[s] for s in trained}, logged
     v0 = run_dir / ("sft_model" if (run_dir / "sft_model").exists() else "base_model")
