@@ -494,10 +494,12 @@ def validate(cfg: Config) -> None:
     if par.world_size:
         _require(par.world_size % (par.tp * par.pp) == 0, "parallel.world_size", par.world_size,
                  f"must be a multiple of tp x pp = {par.tp} x {par.pp} = {par.tp * par.pp}")
-    from megatron_async.learner.perf import config_rules  # (CUDA / TE checks: at learner build)
-
-    for ok, key, value, why in config_rules(par):
-        _require(ok, key, value, why)
+    # the GPU performance keys that need no CUDA or TE to judge (the rest: learner/perf.py, at build)
+    _require(par.sequence_parallel is not True or par.tp > 1, "parallel.sequence_parallel", par.sequence_parallel,
+             f"sequence parallelism splits the sequence over TP ranks: needs parallel.tp > 1 (is {par.tp})")
+    _require(par.overlap_param_gather is not True or par.overlap_grad_reduce is not False,
+             "parallel.overlap_param_gather", par.overlap_param_gather,
+             "needs parallel.overlap_grad_reduce (true or null), as megatron-core requires")
 
 
 # ----------------------------------------------------------------------------- saving

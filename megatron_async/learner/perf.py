@@ -46,6 +46,8 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, fields
 
+from megatron_async.config import ConfigError
+
 KEYS = ("sequence_parallel", "overlap_grad_reduce", "overlap_param_gather", "gradient_accumulation_fusion",
         "rope_fusion")
 
@@ -111,8 +113,6 @@ class ResolvedPerf:
 
 
 def _fail(key: str, value, why: str):
-    from megatron_async.config import ConfigError
-
     raise ConfigError(f"key 'parallel.{key}' = {value!r}: {why}")
 
 
@@ -152,15 +152,3 @@ def resolve(perf: PerfSettings | None, backend: Backend, tp: int, dp: int, tied_
     return ResolvedPerf(sequence_parallel=sp, overlap_grad_reduce=ogr, overlap_param_gather=opg,
                         gradient_accumulation_fusion=gaf, rope_fusion=rope, distributed_optimizer=gpu,
                         masked_softmax_fusion=gpu and (backend.te or backend.softmax_kernel), backend=backend)
-
-
-def config_rules(parallel) -> list[tuple[bool, str, object, str]]:
-    """Checks `config.validate` can make before any process starts (no CUDA or TE needed):
-    (holds, key, value, why) for each."""
-    p = PerfSettings.from_config(parallel)
-    return [
-        (p.sequence_parallel is not True or parallel.tp > 1, "parallel.sequence_parallel", p.sequence_parallel,
-         f"sequence parallelism splits the sequence over TP ranks: needs parallel.tp > 1 (is {parallel.tp})"),
-        (p.overlap_param_gather is not True or p.overlap_grad_reduce is not False, "parallel.overlap_param_gather",
-         p.overlap_param_gather, "needs parallel.overlap_grad_reduce (true or null), as megatron-core requires"),
-    ]
