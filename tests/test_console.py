@@ -130,3 +130,17 @@ def test_greedy_eval_lists_each_completion_and_verdict(capsys):
     right = sum(1 for i in range(n) if i % 3)
     assert result["pass@1"] == pytest.approx(right / n) and result["n"] == result["scored"] == n
     json.dumps(result)  # what --output and eval_<tag>.json write
+
+
+def test_compare_evals_pairs_the_verdicts():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare_evals", Path(__file__).resolve().parents[1] / "tools"
+                                                  / "compare_evals.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    before = {"results": [{"id": str(i), "reward": float(i < 2)} for i in range(10)]}  # 0, 1 right
+    after = {"results": [{"id": str(i), "reward": float(i in (1, 2, 3, 4, 5, 6))} for i in range(10)]}
+    c = mod.compare(before, after)
+    assert (c["paired"], c["both_right"], c["wrong_to_right"], c["right_to_wrong"]) == (10, 1, 5, 1)
+    assert c["difference"] == pytest.approx(0.4) and c["mcnemar_p"] == pytest.approx(2 * 7 / 64)  # P(X<=1), n=6
