@@ -5,14 +5,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.e2e_utils import RLOO, STEPS, assert_trained, metrics, train
+from tests.e2e_utils import RLOO, STEPS, assert_trained, coin_flip_data, metrics, train
 
 
 @pytest.mark.integration
 @pytest.mark.slow
 def test_nan_step_is_skipped_and_repeated_nans_stop_with_a_checkpoint(tmp_path):
     # one bad step: skipped (weights, optimizer and LR schedule untouched), the run goes on
-    train(tmp_path / "once", *RLOO, env={"MEGATRON_ASYNC_NAN_LOSS_STEPS": "1"})
+    train(tmp_path / "once", *coin_flip_data(tmp_path), *RLOO, env={"MEGATRON_ASYNC_NAN_LOSS_STEPS": "1"})
     assert_trained(tmp_path / "once" / "cpu_tiny", skipped=(1,))  # steps 0, 2, 3 trained
     m = metrics(tmp_path / "once" / "cpu_tiny")
     assert [m["train/skipped"][s] for s in range(STEPS)] == [0.0, 1.0, 0.0, 0.0]
@@ -49,7 +49,9 @@ def test_tokenizer_that_does_not_fit_the_model_is_refused(tiny_ckpts, tmp_path):
 @pytest.mark.slow
 def test_replica_killed_mid_run_loses_no_prompt(tmp_path):
     train(tmp_path, *RLOO, env={"MEGATRON_ASYNC_KILL_REPLICA_AT_BATCH": "2"})
-    assert_trained(tmp_path / "cpu_tiny")
+    # synthetic data (not coin flips): its long generations let the kill land mid-generation; the
+    # barely trained model gets every reward 0, so there is no learning signal to ask for here
+    assert_trained(tmp_path / "cpu_tiny", learning_signal=False)
     m = metrics(tmp_path / "cpu_tiny")
     # every step trained on exactly prompts_per_step x K samples: nothing lost, nothing doubled
     assert [m["rollout/samples"][s] for s in range(STEPS)] == [8 * 4] * STEPS
