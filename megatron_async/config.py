@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
+import torch
 import yaml
 
 from megatron_async.algorithms import ALGORITHMS
@@ -54,8 +55,6 @@ def default_replica_dtype() -> str:
     """model.dtype's default: "bfloat16" where a CUDA device is visible (the learner is bf16 there),
     else "float32". Counted with torch.cuda.device_count(), which asks NVML and so neither
     initialises CUDA nor makes a later fork unsafe (torch.cuda.is_available() would)."""
-    import torch
-
     return "bfloat16" if torch.cuda.device_count() > 0 else "float32"
 
 

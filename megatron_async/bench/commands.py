@@ -41,7 +41,11 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from megatron_async.bench import report
+from megatron_async.bench.contention import run_contention
+from megatron_async.config import ConfigError, load_config
 from megatron_async.io_utils import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[2]  # the repository (tools/, configs/)
@@ -80,8 +84,6 @@ def run_training(config: str, overrides: list[str], out_dir: Path, name: str, la
 
     Shows a progress bar fed by the run's per-step log lines. Raises BenchError on failure.
     """
-    from tqdm import tqdm
-
     run_dir = out_dir / name
     shutil.rmtree(run_dir, ignore_errors=True)  # a stale run dir would be resumed/reused
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -135,8 +137,6 @@ def run_training(config: str, overrides: list[str], out_dir: Path, name: str, la
 def prepare_sft(config: str, overrides: list[str], out_dir: Path, timeout_s: float,
                 init_model: str | None = None) -> list[str]:
     """SFT once (trainer.steps=0) and return overrides that start every run from its model."""
-    from megatron_async.config import load_config
-
     if init_model:  # an SFT'd HF checkpoint from an earlier bench (e.g. runs/bench_async/sft/sft_model)
         if not (Path(init_model) / "config.json").exists():
             raise BenchError(f"--init-model {init_model}: no config.json there")
@@ -162,8 +162,6 @@ def bench_async(args) -> int:
         base.append(f"trainer.eval_every={args.eval_every}")
     started = machine()
     shared = prepare_sft(args.config, base, out_dir, args.timeout_s, args.init_model)
-    from megatron_async.config import load_config
-
     cfg = load_config(args.config, [*base, *shared])
     order = []
     for i, seed in enumerate(args.seeds):
@@ -202,8 +200,6 @@ def bench_async(args) -> int:
                   **extra}
         result["time_to_quality"] = time_to_quality_report(curves, args.seeds)
     if args.contention:
-        from megatron_async.bench.contention import run_contention
-
         model = Path(cfg.model.hf_path) if cfg.model.hf_path != "tiny" else None
         result["contention"] = run_contention(model or Path(runs[order[0]]["run_dir"]) / "base_model",
                                               cfg.parallel.learner_cpus, cfg.rollout.replica_cpus,
@@ -295,8 +291,6 @@ def bench_sweep(args) -> int:
     base = [*pin_overrides(args.pin), f"rollout.max_lag={args.max_lag}", *args.overrides,
             "trainer.checkpoint_every=0"]
     shared = prepare_sft(args.config, base, out_dir, args.timeout_s, args.init_model)
-    from megatron_async.config import load_config
-
     cfg = load_config(args.config, [*base, *shared])
     plan = sweep_plan(algorithms, args.n, [t for t in args.t if t != 1], [k for k in args.k if k != cfg.rollout.k])
     for i, item in enumerate(plan):
@@ -403,8 +397,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.small:
         args.overrides = [*SMALL, *args.overrides]
     args.out_dir = args.out_dir or f"runs/bench_{args.what}"
-    from megatron_async.config import ConfigError
-
     try:
         return {"async": bench_async, "sweep": bench_sweep}[args.what](args)
     except ConfigError as e:

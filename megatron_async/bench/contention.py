@@ -23,7 +23,14 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM
+
 from megatron_async.bench.report import contention
+from megatron_async.cluster.cpu_affinity import pin_learner, replica_pin_env
+from megatron_async.io_utils import atomic_write_text
+from megatron_async.rollout import ReplicaPool, ReplicaSpec, Sampling
+from megatron_async.rollout.launcher import replica_env
 
 
 def _gen_loop(pool, prompts, sampling, seconds: float, out: dict) -> None:
@@ -46,13 +53,6 @@ def _train_loop(model, opt, batch, seconds: float, out: dict) -> None:
 
 
 def measure(model_dir: Path, learner_cpus: str, replica_cpus: str, seconds: float, log_dir: Path) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from megatron_async.cluster.cpu_affinity import pin_learner, replica_pin_env
-    from megatron_async.rollout import ReplicaPool, ReplicaSpec, Sampling
-    from megatron_async.rollout.launcher import replica_env
-
     mine = pin_learner(learner_cpus)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).train()
@@ -122,8 +122,6 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--out", default="contention.json")
     args = p.parse_args()
-    from megatron_async.io_utils import atomic_write_text
-
     res = measure(Path(args.model_dir), args.learner_cpus, args.replica_cpus, args.seconds,
                   Path(args.out).resolve().parent / "contention_replica_logs")
     atomic_write_text(args.out, json.dumps(res, indent=1))

@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 import re
 
+import torch
+
 REPLICA_CPUS_ENV = "MEGATRON_ASYNC_CPUS"
 _ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
 
@@ -58,8 +60,6 @@ def pin_current_process(cpus: list[int], set_torch_threads: bool = True) -> None
     os.sched_setaffinity(0, cpus)
     os.environ["OMP_NUM_THREADS"] = str(len(cpus))
     if set_torch_threads:
-        import torch
-
         torch.set_num_threads(len(cpus))
 
 

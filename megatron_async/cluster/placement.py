@@ -32,8 +32,9 @@ import os
 import socket
 from dataclasses import dataclass
 
-from megatron_async.config import LOOPBACK_HOSTS, Config, ConfigError
+import torch
 
+from megatron_async.config import LOOPBACK_HOSTS, Config, ConfigError
 
 
 @dataclass(frozen=True)
@@ -165,8 +166,6 @@ def learner_nodes(cfg: Config) -> list[int]:
 
 
 def _gpus() -> int:
-    import torch
-
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 

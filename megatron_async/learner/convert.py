@@ -19,15 +19,15 @@ from pathlib import Path
 
 import torch
 
+from megatron_async.learner.checkpoint import load_checkpoint, read_manifest, save_checkpoint
 from megatron_async.learner.hf_export import export_hf, hf_side_files
+from megatron_async.learner.mapping import load_hf_weights
+from megatron_async.learner.model import build_model
+from megatron_async.learner.parallel import destroy_parallel, free_port, init_parallel
 
 
 def hf_to_megatron(src: Path, dst: Path) -> None:
     """(Under init_parallel.) Load the HF checkpoint into this layout and save it as a learner checkpoint."""
-    from megatron_async.learner.checkpoint import save_checkpoint
-    from megatron_async.learner.model import build_model
-    from megatron_async.learner.mapping import load_hf_weights
-
     chunks = build_model(src)
     load_hf_weights(chunks, src)
     files = {f"hf/{name}": path for name, path in hf_side_files(src).items()}
@@ -36,9 +36,6 @@ def hf_to_megatron(src: Path, dst: Path) -> None:
 
 def megatron_to_hf(src: Path, dst: Path, tokenizer: Path | None) -> None:
     """(Under init_parallel.) Load a learner checkpoint and write it as an HF checkpoint."""
-    from megatron_async.learner.checkpoint import load_checkpoint, read_manifest
-    from megatron_async.learner.model import build_model
-
     hf_config_path = src / "hf_config.json"
     if not hf_config_path.exists():
         raise FileNotFoundError(f"{hf_config_path} is missing: {src} was not saved from a model built from an HF config")
@@ -67,16 +64,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from megatron_async.learner.parallel import free_port
-
     args = _parser().parse_args(argv)
     world = args.tp * args.pp
     if world > 1 and "LOCAL_RANK" not in os.environ:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
                f"--master-port={free_port()}", "-m", "megatron_async.learner.convert", *argv]
         return subprocess.call(cmd)
-
-    from megatron_async.learner.parallel import destroy_parallel, init_parallel
 
     init_parallel(args.tp, args.pp)
     try:

@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence
 
+import torch
+
 from megatron_async.config import ConfigError
 from megatron_async.rewards.gsm8k import gsm8k_reward
 from megatron_async.rewards.reward_model import RewardModelWorker
@@ -57,8 +59,6 @@ def make_scorer(cfg: RewardConfig) -> Scorer:
     """The scorer `reward.kind` names, ready to score (a reward model is loaded before this returns)."""
     if cfg.kind == "reward_model":
         if cfg.device != "cpu":
-            import torch
-
             n = torch.cuda.device_count()  # 0 without CUDA
             if int(cfg.device.split(":")[1]) >= n:
                 raise ConfigError(f"key 'reward.device' = {cfg.device!r}: " + (

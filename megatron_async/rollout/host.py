@@ -27,11 +27,21 @@ import os
 import socket
 import threading
 import time
+from dataclasses import asdict
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 
+from megatron_async.cluster.cpu_affinity import replica_pin_env
+from megatron_async.cluster.placement import check_replica_host, replica_devices
+from megatron_async.config import ConfigError
 from megatron_async.rollout.launcher import LocalLauncher, PoolError, replica_env
-from megatron_async.rollout.replica import ReplicaClient, ReplicaError, ReplicaSpec, _set_socket_timeouts, STALL_TIMEOUT_S
+from megatron_async.rollout.replica import (
+    STALL_TIMEOUT_S,
+    ReplicaClient,
+    ReplicaError,
+    ReplicaSpec,
+    _set_socket_timeouts,
+)
 
 
 def _keepalive(sock: socket.socket) -> None:
@@ -119,10 +129,6 @@ class ReplicaHost:
 
 def main(cfg, wait_s: float) -> int:
     """`megatron-async serve-replicas`: serve this node's replicas until the learner's session ends."""
-    from megatron_async.config import ConfigError
-    from megatron_async.cluster.cpu_affinity import replica_pin_env
-    from megatron_async.cluster.placement import check_replica_host, replica_devices
-
     try:
         check_replica_host(cfg)
     except ConfigError as e:
@@ -204,8 +210,6 @@ class RemoteLauncher:
                 raise PoolError(str(e)) from e
 
     def start(self, spec: ReplicaSpec, rid: int, port: int) -> None:
-        from dataclasses import asdict
-
         self._call(rid, "start", spec=asdict(spec), port=port)
 
     def wait_ready(self, rid: int) -> tuple[int, int]:

@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer
+
 from megatron_async.algorithms import ALGORITHMS
 from megatron_async.cluster import placement
 from megatron_async.cluster.cpu_affinity import available_cpus, format_cpu_list, parse_cpu_list
@@ -167,8 +169,6 @@ _TOKENIZERS: dict[str, Any] = {}  # hf_path -> tokenizer, for the duration of on
 
 def _tokenizer(cfg: Config):
     """The policy checkpoint's tokenizer (loaded once per preflight)."""
-    from transformers import AutoTokenizer
-
     path = cfg.model.hf_path
     if path not in _TOKENIZERS:
         try:

@@ -17,9 +17,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from megatron_async.config import Config
 from megatron_async.data import PromptIterator, TokenizedPrompt, load_prompts, load_train_prompts
 from megatron_async.io_utils import atomic_write_text
+from megatron_async.observability.logs import log_file
 from megatron_async.observability.plots import plot_training
 from megatron_async.observability.tracking import MlflowTracker, NullTracker
 from megatron_async.rewards import Scorer, make_scorer
@@ -30,6 +33,7 @@ from megatron_async.rollout.replica import Sampling
 from megatron_async.run import faults
 from megatron_async.run.adaptive_lag import START_LAG, AdaptiveLag
 from megatron_async.run.auto_balance import AutoBalance
+from megatron_async.run.checkpoint import latest_checkpoint
 from megatron_async.run.evaluate import EVAL_METRIC, greedy_eval
 
 log = logging.getLogger(__name__)
@@ -197,9 +201,6 @@ class RolloutState:
         tracker.log_artifact(png)
         tracker.log_artifact(run_dir / "config.yaml")
         atomic_write_text(run_dir / "history.json", json.dumps(self.history, indent=0))
-        from megatron_async.observability.logs import log_file
-        from megatron_async.run.checkpoint import latest_checkpoint
-
         print(run_summary(cfg, len(self.eval_prompts), before, after, wall_s=_process_seconds(), png=png,
                           checkpoint=latest_checkpoint(cfg), tracker=tracker, log_path=log_file()), flush=True)
 
@@ -213,8 +214,6 @@ class RolloutState:
 def _process_seconds() -> float | None:
     """Wall time of this process so far (the run's, for a run that was not resumed)."""
     try:
-        import psutil
-
         return time.time() - psutil.Process().create_time()
     except Exception:  # psutil missing or the process table unreadable: no wall time in the summary
         return None

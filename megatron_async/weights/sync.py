@@ -48,6 +48,7 @@ import torch
 
 from megatron_async.config import LOOPBACK_HOSTS, WeightTransport
 from megatron_async.rollout.replica import ReplicaClient, ReplicaError
+from megatron_async.weights import nccl
 from megatron_async.weights.buckets import device_checksum, group_by_cap, iter_buckets
 from megatron_async.weights.shm import HEADER_SLACK, ShmSegment
 from megatron_async.weights.shm import free_bytes as shm_free_bytes
@@ -204,8 +205,6 @@ class WeightSender:
     def _buckets(self, tensors: Iterable[tuple[str, torch.Tensor]], stage: int):
         """Per bucket: (by_kind request parts, payload bytes, action to run while replicas wait)."""
         if self._nccl is not None:
-            from megatron_async.weights import nccl
-
             for group in group_by_cap(tensors, self.bucket_bytes):
                 buf, layout = nccl.pack(group, torch.device("cuda", torch.cuda.current_device()))
                 source = {"nccl": stage, "layout": layout, "nbytes": buf.numel()}
@@ -230,8 +229,6 @@ class WeightSender:
     # -- NCCL -----------------------------------------------------------------------------------
     def _open_nccl(self, stage: int, each) -> None:
         """Form this stage's NCCL group with every replica worker (rank 0 = this process)."""
-        from megatron_async.weights import nccl
-
         self._close_nccl()
         workers = [a["workers"] for a in each("health")]
         host = self._clients[0].address[0]
