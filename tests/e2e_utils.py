@@ -92,6 +92,13 @@ def history(run_dir: Path) -> dict[int, dict[str, float]]:
     return {h["step"]: h for h in json.loads((Path(run_dir) / "history.json").read_text())}
 
 
+def hf_tensors(hf_dir: Path) -> dict:
+    """Every tensor of an HF checkpoint: model.safetensors, or its shards (a PP export writes one per stage)."""
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(Path(hf_dir).glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
 def assert_trained(run_dir: Path, steps: int = STEPS, *, every_step: bool = True, skipped=(),
                    learning_signal: bool = True) -> dict[int, dict]:
     """The run really trained; returns its history.
@@ -105,8 +112,6 @@ def assert_trained(run_dir: Path, steps: int = STEPS, *, every_step: bool = True
       norm above 1e-3. Without it a run passes the checks above on noise: RLOO on a batch whose
       rewards are all 0 has gradients ~1e-6, which Adam still turns into weight changes of ~lr.
     """
-    from safetensors.torch import load_file
-
     run_dir = Path(run_dir)
     hist = history(run_dir)
     assert sorted(hist) == list(range(steps)), f"history.json has steps {sorted(hist)}, expected 0..{steps - 1}"
@@ -126,8 +131,8 @@ def assert_trained(run_dir: Path, steps: int = STEPS, *, every_step: bool = True
     logged = metrics(run_dir)["train/rows"]
     assert {s: logged.get(s) for s in trained} == {s: rows[s] for s in trained}, logged
     v0 = run_dir / ("sft_model" if (run_dir / "sft_model").exists() else "base_model")
-    before, after = load_file(str(v0 / "model.safetensors")), load_file(str(run_dir / "hf_final" / "model.safetensors"))
-    assert before.keys() == after.keys()
+    before, after = hf_tensors(v0), hf_tensors(run_dir / "hf_final")
+    assert before and before.keys() == after.keys()
     moved = max((after[k].float() - before[k].float()).abs().max().item() for k in before)
     assert moved > 1e-6, f"hf_final equals {v0.name} (max |diff| {moved}): the policy never changed"
     return hist
