@@ -26,6 +26,7 @@ def rm_dir(tmp_path_factory):
     return out, tok, model
 
 
+@pytest.mark.integration  # the reward-model worker process
 def test_worker_scores_match_in_process_scores_and_survives_a_timeout(rm_dir):
     path, tok, model = rm_dir
     prompts = ["Question: Ann has 3 apples.\nAnswer:", "Q: 2+2?\nA:", "Question: Ben has 12 pens.\nAnswer:"]
@@ -52,6 +53,7 @@ def test_worker_scores_match_in_process_scores_and_survives_a_timeout(rm_dir):
         assert [s.reward for s in rm.score(prompts, completions).scores] == pytest.approx(expected, abs=1e-4)
 
 
+@pytest.mark.integration  # tries to start the worker process
 def test_worker_start_failure_is_reported(tmp_path):
     rm = RewardModelWorker(str(tmp_path / "missing"), start_timeout_s=60)
     with pytest.raises(RuntimeError, match="failed to start"):
@@ -70,6 +72,7 @@ def test_a_cuda_reward_device_without_cuda_fails_at_start_naming_the_key(rm_dir)
 
 
 @pytest.mark.gpu
+@pytest.mark.integration
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_worker_on_cuda_scores_like_the_cpu_model(rm_dir):
     path, tok, model = rm_dir
@@ -90,9 +93,10 @@ def rm_scores(tok, model, texts: list[str]) -> list[float]:
     return out
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_train_with_a_reward_model_on_prompt_only_data(rm_dir, tmp_path):
-    from tests.e2e_utils import metrics, train
+    from tests.e2e_utils import assert_trained, metrics, train
 
     path, tok, model = rm_dir
     topics = ["apples", "a red kite", "the sea", "Ben's pens", "a long walk", "rain", "Ann's cat", "tea"]
@@ -108,6 +112,7 @@ def test_train_with_a_reward_model_on_prompt_only_data(rm_dir, tmp_path):
                  'data.prompt_template="{question}"', "reward.kind=reward_model", f"reward.model_path={path}",
                  "reward.on_error=stop")
     run_dir = tmp_path / "cpu_tiny"
+    assert_trained(run_dir, steps)
     m = metrics(run_dir)
     rewards = [m["reward/mean"][s] for s in range(steps)]
     assert all(r not in (0.0, 1.0) for r in rewards), rewards  # RM scores, not exact-match 0/1
