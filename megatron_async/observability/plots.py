@@ -1,25 +1,27 @@
 """PNG plots of a run's per-step metrics (written at the end of training, logged to MLflow)."""
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
+from megatron_async.io_utils import atomic_write_bytes
+
 
 def plot_training(history: list[dict], out: str | os.PathLike, title: str = "") -> Path:
-    """Four panels by learner step: reward, KL to reference, loss, and time per step by phase."""
-    import matplotlib
+    """Six panels by learner step: reward, KL to the reference, loss, time per step by phase, the
+    staleness monitor (KL generator -> learner, ESS) and the lag (measured, and the bound in force)."""
+    import matplotlib  # heavy, and only needed when a plot is written
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from megatron_async.io_utils import atomic_write_bytes
 
     steps = [h["step"] for h in history]
 
     def series(key):
         return [h.get(key, float("nan")) for h in history]
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7))
     ax = axes[0, 0]
     ax.plot(steps, series("reward/mean"), marker=".")
     ax.set_title("reward (mean over samples)")
@@ -40,13 +42,25 @@ def plot_training(history: list[dict], out: str | os.PathLike, title: str = "") 
     ax.plot(steps, series("timing/generation_s"), "k.--", label="generation (replicas)")
     ax.set_title("seconds per learner step")
     ax.legend(fontsize=8)
+    ax = axes[0, 2]
+    ax.plot(steps, series("staleness/kl_k3_mean"), marker=".", color="tab:purple", label="mean")
+    ax.plot(steps, series("staleness/kl_k3_max"), marker=".", color="tab:purple", alpha=0.4, label="max")
+    ax.set_title("staleness: KL(generator || learner) per token (k3)")
+    ax.legend(fontsize=8)
+    ess = ax.twinx()
+    ess.plot(steps, series("staleness/ess_fraction"), "k:", label="ESS fraction")
+    ess.set_ylim(0, 1.05)
+    ess.legend(fontsize=8, loc="lower right")
+    ax = axes[1, 2]
+    ax.step(steps, series("rollout/max_lag"), where="post", label="bound in force (rollout.max_lag)")
+    ax.plot(steps, series("rollout/lag_max"), "o", label="measured (max over the batch)")
+    ax.set_title("policy lag (learner steps)")
+    ax.legend(fontsize=8)
     for ax in axes.flat:
         ax.set_xlabel("learner step")
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
-    import io
-
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)
     plt.close(fig)
