@@ -27,15 +27,14 @@ from pathlib import Path
 
 import pytest
 
-# Modules not edited here (others own them): file name -> the tests in it that start NO process
-# (so stay in the fast tier); every other test in the module is marked integration. A test renamed
-# or added there thus lands in the integration tier, never in the fast one by mistake.
-# (tests/test_algorithms.py starts no process: not listed.)
+# Modules marked here rather than in the module (it was being edited elsewhere when the tiers came
+# in): file name -> the tests in it that start NO process (so stay in the fast tier); every other
+# test in the module is marked integration. A test renamed or added there thus lands in the
+# integration tier, never in the fast one by mistake. (tests/test_algorithms.py starts no process;
+# tests/test_gpu_*.py carry their own `pytestmark`.)
 MARKED_HERE: dict[str, set[str]] = {
     # run_worker (tests/dist, torchrun for PP=2); the refusal test only builds configs
     "test_algorithms_learner.py": {"test_ppo_refuses_a_reward_model_it_cannot_start_the_value_model_from"},
-    "test_gpu_learner.py": set(),  # run_worker on CUDA
-    "test_gpu_sync.py": set(),  # a ReplicaPool on GPU 1
 }
 
 
