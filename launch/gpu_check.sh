@@ -61,6 +61,14 @@ if [[ ${#wheels[@]} -gt 0 && ${#DRY[@]} -eq 0 ]]; then  # (a dry run uses the ve
   rm -rf .gpu_site
   if "$PY" -m pip install -q --no-index --no-deps --target .gpu_site "${wheels[@]}" > "$OUT_DIR/install.log" 2>&1; then
     export PYTHONPATH="$REPO/.gpu_site:$PYTHONPATH"
+  elif "$PY" - .gpu_site "${wheels[@]}" >> "$OUT_DIR/install.log" 2>&1 <<'PY'
+import sys, zipfile  # no pip: a wheel is a zip archive of its site-packages files
+for wheel in sys.argv[2:]:
+    zipfile.ZipFile(wheel).extractall(sys.argv[1])
+PY
+  then
+    echo "[gpu_check] pip failed (see $OUT_DIR/install.log): wheels unpacked into .gpu_site instead"
+    export PYTHONPATH="$REPO/.gpu_site:$PYTHONPATH"
   else
     echo "[gpu_check] wheel install failed (see $OUT_DIR/install.log); going on with what is installed"
   fi
@@ -68,6 +76,7 @@ fi
 
 start=$(date +%s)
 failed=0
+rm -f "$OUT_DIR/exit_codes.txt"
 run_phase() {  # name, seconds
   local name=$1 limit=$(( $2 * SCALE )) left
   left=$(( BUDGET_S - ($(date +%s) - start) ))
@@ -87,7 +96,8 @@ run_phase() {  # name, seconds
     printf '{"phase": "%s", "status": "failed", "error": "%s"}\n' "$name" "$why" > "$OUT_DIR/$name.json"
     echo "[gpu_check] $name: failed ($why)"
   fi
-  (( rc != 0 )) && failed=1
+  echo "$name $rc" >> "$OUT_DIR/exit_codes.txt"
+  if (( rc != 0 )); then failed=1; echo "[gpu_check] $name exited $rc"; fi
 }
 
 run_phase env 20
@@ -104,13 +114,15 @@ import json, sys
 from pathlib import Path
 out, seconds = Path(sys.argv[1]), int(sys.argv[2])
 phases = ["env", "fork_probe", "gpu_tests", "learner_bench", "weights_bench", "batch_prep", "vllm", "te"]
+codes = dict(line.split() for line in (out / "exit_codes.txt").read_text().splitlines() if line.strip())
 summary = {"seconds": seconds, "phases": {}}
 for p in phases:
     try:
         r = json.loads((out / f"{p}.json").read_text())
     except (OSError, ValueError) as e:
         r = {"status": "failed", "error": f"unreadable: {e}"}
-    summary["phases"][p] = {k: r[k] for k in ("status", "reason", "error", "seconds") if k in r}
+    summary["phases"][p] = {**{k: r[k] for k in ("status", "reason", "error", "seconds") if k in r},
+                            "exit_code": int(codes[p]) if p in codes else None}
 (out / "summary.json").write_text(json.dumps(summary, indent=1))
 print(json.dumps(summary))
 PY

@@ -38,7 +38,7 @@ def test_dry_run_walks_every_phase(tmp_path):
     assert env["importable"]["megatron.core"] is True
     # the GPU tests were collected without mlflow/vLLM and skipped for want of CUDA, none failed
     gpu = results["gpu_tests"]
-    assert gpu["failed"] == 0 and gpu["errors"] == 0 and gpu["passed"] == 0
+    assert gpu["failed"] == 0 and gpu["errors"] == 0 and gpu["passed"] == 0 and gpu["collection_errors"] == []
     assert any(t["test"].startswith("tests.test_gpu_learner::") for t in gpu["tests"])
     assert all(t["outcome"] == "skipped" for t in gpu["tests"])
     # the probes ran in fresh interpreters and reported what vLLM would decide
