@@ -26,6 +26,7 @@ from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
 from megatron_async.learner.model import build_model, read_arch
 from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
 from megatron_async.learner.parallel import ParallelLayout
+from megatron_async.learner.perf import PerfSettings
 from megatron_async.learner.value import build_value_model
 from megatron_async.rollout.producer import RolloutBatch
 from megatron_async.run import faults
@@ -45,9 +46,10 @@ class Trainable:
     optimizer: MegatronOptimizer
     scheduler: OptimizerParamScheduler
 
-    def train_step(self, microbatches: list[dict], loss_fn) -> dict[str, float]:
-        """One optimizer step over `microbatches` (`learner.optimizer.train_step`)."""
-        return train_step(self.chunks, self.optimizer, self.scheduler, microbatches, loss_fn)
+    def train_step(self, microbatches: list[dict], loss_fn, sync_params: bool = True) -> dict[str, float]:
+        """One optimizer step over `microbatches` (`learner.optimizer.train_step`; `sync_params=False`
+        leaves an overlapped parameter gather running into the next step)."""
+        return train_step(self.chunks, self.optimizer, self.scheduler, microbatches, loss_fn, sync_params=sync_params)
 
 
 @dataclass
@@ -73,9 +75,10 @@ class LearnerState:
         settings = OptimSettings(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
                                  adam_beta2=t.adam_beta2, clip_grad=t.grad_clip, warmup_steps=t.warmup_steps,
                                  decay_steps=max(1, optim_steps - t.warmup_steps), decay_style=t.lr_decay)
-        policy = build_model(init_model)
+        perf = PerfSettings.from_config(cfg.parallel)  # parallel.* GPU settings, resolved per model (learner/perf.py)
+        policy = build_model(init_model, perf=perf)
         load_hf_weights(policy, init_model)
-        reference = build_model(init_model)
+        reference = build_model(init_model, perf=perf)
         load_hf_weights(reference, init_model)
         for chunk in reference:
             chunk.requires_grad_(False)
@@ -83,7 +86,7 @@ class LearnerState:
         value = None
         if algorithm.value_model:  # starts from the reward model if there is one, else the policy
             chunks = build_value_model(cfg.reward.model_path if value_from_rm else init_model,
-                                       from_reward_model=value_from_rm)
+                                       from_reward_model=value_from_rm, perf=perf)
             value_lr = t.value_lr or t.lr  # the policy's schedule shape, scaled to value_lr
             value = Trainable(*build_optimizer(chunks, dataclasses.replace(settings, lr=value_lr,
                                                                            min_lr=t.min_lr * value_lr / t.lr)))
@@ -124,11 +127,13 @@ class LearnerState:
         metrics.update({key: float(v) for key, v in algo.prepare(minibatches, self).items()})
         loss_fn = faults.poison_loss_at(step, algo.loss)
         policy_metrics, value_metrics = [], []
-        for _ in range(updates):  # T passes
-            for mbs in minibatches:  # N optimizer steps
-                policy_metrics.append(self.policy.train_step(mbs, loss_fn))
-                if self.value is not None:
-                    value_metrics.append(self.value.train_step(mbs, algo.value_loss))
+        last = updates * len(minibatches) - 1
+        for i, mbs in enumerate(mbs for _ in range(updates) for mbs in minibatches):  # T passes x N optimizer steps
+            # NOTE the weights are read (weight push) only after the batch's last step: the parameter
+            # gather of earlier steps may overlap the next step's forward (parallel.overlap_param_gather)
+            policy_metrics.append(self.policy.train_step(mbs, loss_fn, sync_params=i == last))
+            if self.value is not None:
+                value_metrics.append(self.value.train_step(mbs, algo.value_loss, sync_params=i == last))
         return {**metrics, **mean_metrics(policy_metrics, "train/"), **mean_metrics(value_metrics, "train_value/")}
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

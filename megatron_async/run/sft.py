@@ -23,6 +23,7 @@ from megatron_async.learner.mapping import load_hf_weights
 from megatron_async.learner.model import build_model
 from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
 from megatron_async.learner.parallel import ParallelLayout
+from megatron_async.learner.perf import PerfSettings
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def run_sft(cfg: Config, base: Path, tokenizer, layout: ParallelLayout, tracker)
         log.info("SFT model found at %s: reusing it", out)
         return out
     s = cfg.sft
-    chunks = build_model(base)
+    chunks = build_model(base, perf=PerfSettings.from_config(cfg.parallel))
     load_hf_weights(chunks, base)
     settings = OptimSettings(lr=s.lr, min_lr=s.lr / 10, clip_grad=1.0, warmup_steps=min(20, s.steps // 10),
                              decay_steps=max(1, s.steps - min(20, s.steps // 10)), decay_style="cosine")
