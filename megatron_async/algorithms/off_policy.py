@@ -57,25 +57,20 @@ def resolve_correction(cfg: Config) -> Correction:
 def behaviour_weights(old_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor, kind: Correction,
                       cap: float, low: float, high: float) -> torch.Tensor:
     """[B, T] weights w(pi_prox / mu) on the completion tokens (0 off the mask), detached."""
-    ratio = torch.exp((old_logprobs - gen_logprobs).detach()) * mask
     if kind == "none":
-        return mask.to(ratio.dtype)
-    if kind == "tis":
-        return ratio.clamp(max=cap)
-    if kind == "icepop":
-        return ratio * ((ratio >= low) & (ratio <= high))
-    if kind == "decoupled":
-        return ratio * (ratio <= cap)
-    raise ValueError(f"unknown off-policy correction {kind!r}")
+        return mask.to(old_logprobs.dtype)
+    return _weigh(torch.exp((old_logprobs - gen_logprobs).detach()) * mask, kind, cap, low, high)
 
 
 def sequence_weights(old_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor, kind: Correction,
                      cap: float, low: float, high: float) -> torch.Tensor:
     """[B] weights of whole sequences: w applied to prod_t pi_prox / mu (Proximal RLOO's ratio)."""
-    log_ratio = ((old_logprobs - gen_logprobs).detach() * mask).sum(-1)
-    ratio = torch.exp(log_ratio)
-    if kind == "none":
-        return torch.ones_like(ratio)
+    ratio = torch.exp(((old_logprobs - gen_logprobs).detach() * mask).sum(-1))
+    return torch.ones_like(ratio) if kind == "none" else _weigh(ratio, kind, cap, low, high)
+
+
+def _weigh(ratio: torch.Tensor, kind: Correction, cap: float, low: float, high: float) -> torch.Tensor:
+    """The correction's weight of each importance ratio pi_prox / mu (module docstring)."""
     if kind == "tis":
         return ratio.clamp(max=cap)
     if kind == "icepop":
