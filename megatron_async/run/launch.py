@@ -35,15 +35,16 @@ def main(cfg: Config, config_path: str, overrides: list[str], nproc: int | None 
     under_torchrun = "LOCAL_RANK" in os.environ
     if nproc is None and cfg.placement.nnodes == 1 and not under_torchrun and torch.cuda.is_available():
         ranks = nproc_per_node(cfg, 0, torch.cuda.device_count())  # one GPU node: a rank per learner GPU
+    relaunch = ranks > 1 and not under_torchrun
     try:
         if os.environ.get(CHECKED_ENV) != "1":
             preflight(cfg, world_size=int(os.environ.get("WORLD_SIZE", ranks)))
-        if under_torchrun:
-            check_runtime(cfg)  # torchrun's node and rank counts against placement.*
+        if not relaunch:  # this process is a learner rank: torchrun's node and rank counts against placement.*
+            check_runtime(cfg)
     except ConfigError as e:
         print(f"megatron-async: config error: {e}", file=sys.stderr)
         return 2
-    if ranks > 1 and not under_torchrun:
+    if relaunch:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
                "--master-addr=127.0.0.1", f"--master-port={free_port()}",
                "-m", "megatron_async", "train", config_path, *overrides]
