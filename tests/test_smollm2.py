@@ -13,7 +13,9 @@ import pytest
 from megatron_async.models import smollm2
 
 REPO = Path(__file__).resolve().parents[1]
-GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
+# beside the checkout, or where this machine keeps it (a CI clone lives in a temporary folder)
+GSM8K = next((p for p in (REPO.parent / "shared" / "data" / "gsm8k", Path("/work/shared/data/gsm8k"))
+              if (p / "test.jsonl").is_file()), REPO.parent / "shared" / "data" / "gsm8k")
 needs_package = pytest.mark.skipif(bool(smollm2.missing_requirements()),
                                    reason=f"needs {smollm2.INSTALL_HINT} (missing: {smollm2.missing_requirements()})")
 needs_gsm8k = pytest.mark.skipif(not (GSM8K / "test.jsonl").is_file(), reason=f"real GSM8k not at {GSM8K}")

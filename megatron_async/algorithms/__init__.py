@@ -18,7 +18,6 @@ The loss arithmetic is in `losses/` (pure tensor functions), padding and selecti
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 from megatron_async.algorithms.base import Algorithm, LearnerModels, dp_shard, split_units
 from megatron_async.algorithms.best_of_k_sft import BestOfKSFT
@@ -29,13 +28,11 @@ from megatron_async.algorithms.proximal_rloo import ProximalRLOO
 from megatron_async.algorithms.off_policy import resolve_correction
 from megatron_async.algorithms.rloo import RLOO
 
-if TYPE_CHECKING:
-    from megatron_async.config import Config
 
 ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (OnlineDPO, RLOO, ProximalRLOO, PPO, GRPO, BestOfKSFT)}
 
 
-def build_algorithm(cfg: Config) -> Algorithm:
+def build_algorithm(cfg) -> Algorithm:
     """The algorithm `trainer.algorithm` names, for rollout.k completions per prompt, with the run's
     off-policy correction."""
     return ALGORITHMS[cfg.trainer.algorithm](cfg.trainer, cfg.rollout.k, resolve_correction(cfg))

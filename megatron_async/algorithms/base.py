@@ -9,6 +9,9 @@ One learner step on one scored batch (`run/learner_state.py`), for every algorit
     train_step(policy, ..., mbs, algo.loss)              # N optimizer steps, T passes
     train_step(value, ..., mbs, algo.value_loss)         # PPO only: the value model's step
 
+Algorithms are handed the config's sections (`cfg` is `config.TrainerConfig` in `__init__`, the
+whole `config.Config` in `rules`) and never import `config`, which imports this registry.
+
 A new algorithm is one module with a subclass of `Algorithm` and one line in the registry
 (`algorithms/__init__.py`); the config's allowed `trainer.algorithm` values come from there.
 
@@ -25,7 +28,7 @@ tests check that nothing mixes devices.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Protocol
+from typing import Any, ClassVar, Iterable, Protocol
 
 import torch
 
@@ -33,8 +36,6 @@ from megatron_async.algorithms.batching import Sample, collate
 from megatron_async.algorithms.losses import sequence_kl
 from megatron_async.algorithms.off_policy import Correction, behaviour_weights, sequence_weights, staleness_stats
 
-if TYPE_CHECKING:
-    from megatron_async.config import Config, TrainerConfig
 
 Microbatch = dict[str, Any]
 Rule = tuple[bool, str, Any, str]  # (holds, key, value, why): a config requirement of an algorithm
@@ -59,12 +60,12 @@ class Algorithm:
     needs_old_logprobs: ClassVar[bool] = False  # its loss anchors to the learner before the update (PPO, GRPO)
     corrects_off_policy: ClassVar[bool] = False  # takes behaviour weights (`algorithms.off_policy`)
 
-    def __init__(self, cfg: TrainerConfig, k: int, correction: Correction = "none"):
+    def __init__(self, cfg, k: int, correction: Correction = "none"):
         self.cfg, self.k = cfg, k
         self.correction: Correction = correction if self.corrects_off_policy else "none"
 
     @classmethod
-    def rules(cls, cfg: Config) -> Iterable[Rule]:
+    def rules(cls, cfg) -> Iterable[Rule]:
         """Config requirements of this algorithm, checked by `config.validate`."""
         yield (cfg.rollout.k >= cls.min_k, "rollout.k", cfg.rollout.k,
                f"{cls.name} compares completions of a prompt: needs K >= {cls.min_k}")

@@ -2,7 +2,7 @@
 The SFT warm-up (`run/sft.py`) trains the reference solutions with the same loss."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 import torch
 
@@ -10,15 +10,13 @@ from megatron_async.algorithms.batching import Sample, select_best_of_k
 from megatron_async.algorithms.base import Algorithm, Microbatch, Rule
 from megatron_async.algorithms.losses import best_of_k_sft_loss
 
-if TYPE_CHECKING:
-    from megatron_async.config import Config
 
 
 class BestOfKSFT(Algorithm):
     name = "best_of_k_sft"
 
     @classmethod
-    def rules(cls, cfg: Config) -> Iterable[Rule]:
+    def rules(cls, cfg) -> Iterable[Rule]:
         yield from super().rules(cfg)
         yield (cfg.reward.kind == "gsm8k_exact_match", "trainer.algorithm", cls.name,
                "trains on completions that are an exact match (reward 1): needs reward.kind=gsm8k_exact_match")

@@ -34,19 +34,17 @@ token for samples from mu), the weights' mean and max, and their effective sampl
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
 from megatron_async.algorithms.losses import masked_mean
 
-if TYPE_CHECKING:
-    from megatron_async.config import Config
 
 Correction = Literal["none", "tis", "icepop", "decoupled"]
 
 
-def resolve_correction(cfg: Config) -> Correction:
+def resolve_correction(cfg) -> Correction:
     """trainer.off_policy_correction with `auto` resolved (see the module docstring)."""
     kind = cfg.trainer.off_policy_correction
     if kind == "auto":

@@ -16,7 +16,7 @@ through gradient clipping.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 import torch
 
@@ -32,8 +32,6 @@ from megatron_async.algorithms.losses import (
     sequence_kl,
 )
 
-if TYPE_CHECKING:
-    from megatron_async.config import Config
 
 
 class PPO(Algorithm):
@@ -45,7 +43,7 @@ class PPO(Algorithm):
     corrects_off_policy = True
 
     @classmethod
-    def rules(cls, cfg: Config) -> Iterable[Rule]:
+    def rules(cls, cfg) -> Iterable[Rule]:
         yield from super().rules(cfg)
         t = cfg.trainer
         yield t.value_lr is None or t.value_lr > 0, "trainer.value_lr", t.value_lr, "must be > 0 (or null = trainer.lr)"

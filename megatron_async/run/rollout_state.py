@@ -33,7 +33,6 @@ from megatron_async.rollout.replica import Sampling
 from megatron_async.run import faults
 from megatron_async.run.adaptive_lag import START_LAG, AdaptiveLag
 from megatron_async.run.auto_balance import AutoBalance
-from megatron_async.run.checkpoint import latest_checkpoint
 from megatron_async.run.evaluate import EVAL_METRIC, greedy_eval
 
 log = logging.getLogger(__name__)
@@ -193,7 +192,8 @@ class RolloutState:
             log.info("step %d: rollout lag %d -> %d: %s", step, before, self.adaptive_lag.lag, self.adaptive_lag.reason)
             self.producer.set_max_lag(self.adaptive_lag.lag)
 
-    def finish(self, before: float | None, after: float | None, tracker: NullTracker | MlflowTracker) -> None:
+    def finish(self, before: float | None, after: float | None, tracker: NullTracker | MlflowTracker,
+               checkpoint: Path | None) -> None:
         """The training plot, history.json (read by `bench`) and the before -> after line."""
         run_dir, cfg = self.cfg.run_dir, self.cfg
         png = plot_training(self.history, run_dir / "training.png",
@@ -202,7 +202,7 @@ class RolloutState:
         tracker.log_artifact(run_dir / "config.yaml")
         atomic_write_text(run_dir / "history.json", json.dumps(self.history, indent=0))
         print(run_summary(cfg, len(self.eval_prompts), before, after, wall_s=_process_seconds(), png=png,
-                          checkpoint=latest_checkpoint(cfg), tracker=tracker, log_path=log_file()), flush=True)
+                          checkpoint=checkpoint, tracker=tracker, log_path=log_file()), flush=True)
 
     def close(self) -> None:
         if self.producer is not None:

@@ -132,7 +132,7 @@ class Trainer:
         after = self._evaluate("after")
         export_hf([c.module for c in self.learner.policy.chunks], cfg.run_dir / "hf_final", tokenizer_dir=self.init_model)
         if self.rollout is not None:
-            self.rollout.finish(before, after, self.tracker)
+            self.rollout.finish(before, after, self.tracker, latest_checkpoint(cfg))
 
     def _next_batch(self, step: int) -> tuple[RolloutBatch, int]:
         """All ranks: batch `step`, once rank 0's producer has generated it, and T, the passes over it."""
