@@ -80,6 +80,12 @@ class ModelConfig:
         help="the replicas' (vLLM) dtype. Default: as the learner, bfloat16 where a CUDA device is visible, "
              "float32 on CPU. The learner's dtype is not a key: bf16 with fp32 master weights and grads on "
              "GPU, fp32 on CPU (learner/model.py).")
+    make_vocab_size_divisible_by: int = opt(128,
+        "the learner pads its vocabulary (embedding and output-layer rows) to a multiple of this x parallel.tp, "
+        "as megatron-LM does (default 128, megatron's), so a vocab_size TP does not divide (32001, 1003) still "
+        "splits evenly and each rank's slice is aligned; 1 = pad only to a multiple of tp. The padding rows are "
+        "zero, their logits -inf in every logprob, and they are stripped from the HF export and the weight sync "
+        "(vLLM and HF checkpoints keep the model's vocab_size). See learner/model.py and docs/real-models.md.")
 
 
 @dataclass
@@ -429,7 +435,8 @@ def validate(cfg: Config) -> None:
                        ("rollout.replica_tp", r.replica_tp), ("rollout.prompts_per_step", r.prompts_per_step),
                        ("rollout.max_new_tokens", r.max_new_tokens), ("trainer.minibatches", t.minibatches),
                        ("trainer.updates_per_batch", t.updates_per_batch), ("trainer.micro_batch_size", t.micro_batch_size),
-                       ("rollout.k", r.k), ("data.max_prompt_tokens", cfg.data.max_prompt_tokens)]:
+                       ("rollout.k", r.k), ("data.max_prompt_tokens", cfg.data.max_prompt_tokens),
+                       ("model.make_vocab_size_divisible_by", cfg.model.make_vocab_size_divisible_by)]:
         _require(value >= 1, key, value, "must be >= 1")
     for key, value in [("trainer.steps", t.steps), ("sft.steps", cfg.sft.steps), ("trainer.warmup_steps", t.warmup_steps),
                        ("parallel.world_size", par.world_size), ("data.eval_size", cfg.data.eval_size)]:

@@ -7,6 +7,10 @@ The Megatron side is a `learner.checkpoint` directory (dist_checkpointing, model
 loads at any TP x PP; the HF side is safetensors + config.json + tokenizer files that transformers
 and vLLM load. With tp * pp > 1 the command re-launches itself under torchrun (gloo on CPU). Both
 outputs are written atomically (tmp dir, then rename).
+
+The Megatron side holds the vocabulary padded to a multiple of --make-vocab-size-divisible-by x TP
+(zero rows, `learner.model.padded_vocab_size`); the HF side has exactly the config's vocab_size rows.
+A checkpoint padded at one TP loads at another (megatron-core loads the overlapping rows).
 """
 from __future__ import annotations
 
@@ -22,19 +26,19 @@ import torch
 from megatron_async.learner.checkpoint import load_checkpoint, read_manifest, save_checkpoint
 from megatron_async.learner.hf_export import export_hf, hf_side_files
 from megatron_async.learner.mapping import load_hf_weights
-from megatron_async.learner.model import build_model
+from megatron_async.learner.model import VOCAB_DIVISIBLE_BY, build_model
 from megatron_async.learner.parallel import destroy_parallel, free_port, init_parallel
 
 
-def hf_to_megatron(src: Path, dst: Path) -> None:
+def hf_to_megatron(src: Path, dst: Path, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> None:
     """(Under init_parallel.) Load the HF checkpoint into this layout and save it as a learner checkpoint."""
-    chunks = build_model(src)
+    chunks = build_model(src, make_vocab_size_divisible_by=vocab_divisible_by)
     load_hf_weights(chunks, src)
     files = {f"hf/{name}": path for name, path in hf_side_files(src).items()}
     save_checkpoint(dst, chunks, extra={"converted_from": str(src.resolve())}, files=files)
 
 
-def megatron_to_hf(src: Path, dst: Path, tokenizer: Path | None) -> None:
+def megatron_to_hf(src: Path, dst: Path, tokenizer: Path | None, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> None:
     """(Under init_parallel.) Load a learner checkpoint and write it as an HF checkpoint."""
     hf_config_path = src / "hf_config.json"
     if not hf_config_path.exists():
@@ -44,7 +48,7 @@ def megatron_to_hf(src: Path, dst: Path, tokenizer: Path | None) -> None:
     read_manifest(src, verify=False)  # a clear error early (on every rank) if src is no checkpoint
     if not tok_dir.is_dir():
         raise FileNotFoundError(f"no tokenizer: {tok_dir} does not exist (pass --tokenizer DIR)")
-    chunks = build_model(hf_config)
+    chunks = build_model(hf_config, make_vocab_size_divisible_by=vocab_divisible_by)
     load_checkpoint(src, chunks)
     export_hf(chunks, dst, tokenizer_dir=tok_dir, hf_config=hf_config)
 
@@ -60,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("dst", type=Path)
         s.add_argument("--tp", type=int, default=1, help="tensor-parallel size to convert with")
         s.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to convert with")
+        s.add_argument("--make-vocab-size-divisible-by", type=int, default=VOCAB_DIVISIBLE_BY, metavar="N",
+                       help="pad the Megatron vocabulary to a multiple of N x tp (model.make_vocab_size_divisible_by)")
     return p
 
 
@@ -74,9 +80,9 @@ def main(argv: list[str]) -> int:
     init_parallel(args.tp, args.pp)
     try:
         if args.command == "hf-to-megatron":
-            hf_to_megatron(args.src, args.dst)
+            hf_to_megatron(args.src, args.dst, args.make_vocab_size_divisible_by)
         else:
-            megatron_to_hf(args.src, args.dst, args.tokenizer)
+            megatron_to_hf(args.src, args.dst, args.tokenizer, args.make_vocab_size_divisible_by)
     finally:
         destroy_parallel()
     return 0

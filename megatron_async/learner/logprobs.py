@@ -22,6 +22,11 @@ out of the real ones, and they are cut off before `loss_fn`, which sees [b, s] a
 Logprobs are aligned with input_ids: `logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`,
 `logprobs[:, 0] = 0`, and positions where loss_mask is 0 are 0. Values likewise:
 `values[:, t] = V(input_ids[:, :t])`, the state token t was sampled in (TRL's alignment).
+
+Vocabulary padding (`learner.model.padded_vocab_size`): the logits have padded_vocab_size / TP
+columns per rank; those of the padding rows (>= the HF vocab_size) are set to -inf before the
+log-softmax (`mask_vocab_padding`), so logprobs over the real vocabulary are exactly an unpadded
+model's and the padding rows get no gradient.
 """
 from __future__ import annotations
 
@@ -32,20 +37,48 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_async.learner.model import unwrap_model, vocab_shard_real_rows
 from megatron_async.learner.value import is_value_model
 
 LossFn = Callable[[torch.Tensor, dict], "tuple[torch.Tensor, dict]"]
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """[b, s, vocab/TP] vocab-parallel logits -> [b, s] logprobs of each token given its prefix."""
+def mask_vocab_padding(logits: torch.Tensor, vocab_size: int | None, tp: int | None = None,
+                       rank: int | None = None) -> torch.Tensor:
+    """Set, IN PLACE, this TP rank's logits of padded vocabulary rows (>= `vocab_size`) to -inf.
+
+    `logits`: [..., padded_vocab / TP], TP rank `rank`'s contiguous slice of the vocabulary
+    (megatron's vocab-parallel split; `tp`, `rank` default to megatron's parallel_state). None or
+    no padding on this rank: returned unchanged. A rank may hold no real row at all (all -inf): the
+    vocab-parallel max is taken over all ranks and stays finite, so no NaN appears."""
+    if vocab_size is None:
+        return logits
+    if tp is None or rank is None:
+        from megatron.core import parallel_state as ps
+
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    padded = logits.shape[-1] * tp
+    if padded < vocab_size:
+        raise ValueError(f"logits have {logits.shape[-1]} x tp={tp} vocabulary columns, fewer than vocab_size={vocab_size}")
+    real = vocab_shard_real_rows(vocab_size, padded, tp, rank)
+    if real < logits.shape[-1]:
+        logits[..., real:] = float("-inf")
+    return logits
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
+                   vocab_size: int | None = None) -> torch.Tensor:
+    """[b, s, vocab/TP] vocab-parallel logits -> [b, s] logprobs of each token given its prefix.
+    `vocab_size`: the real (HF) vocabulary; the logits of padded rows beyond it are masked out."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     # [b, s, v] -> [s-1, b, v]: position t predicts token t+1. A fresh contiguous copy, because
-    # vocab_parallel_cross_entropy subtracts the max from its input in place.
-    shifted = logits.transpose(0, 1)[:-1].float().contiguous()
+    # vocab_parallel_cross_entropy subtracts the max from its input in place (and we mask it);
+    # copy=True: `.float().contiguous()` would be a view of the output for an fp32 [1, s, v] batch.
+    shifted = logits.transpose(0, 1)[:-1].to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     if temperature != 1.0:
         shifted = shifted / temperature
+    mask_vocab_padding(shifted, vocab_size)
     target = input_ids.transpose(0, 1)[1:].contiguous()
     logprobs = -vocab_parallel_cross_entropy(shifted, target).transpose(0, 1)  # [b, s-1]
     return torch.nn.functional.pad(logprobs, (1, 0))
@@ -64,8 +97,6 @@ def _causal_mask(s: int, device) -> torch.Tensor:
 
 def seq_multiple(chunks: list) -> int:
     """The model's sequence length must be a multiple of this: TP under sequence parallelism, else 1."""
-    from megatron_async.learner.model import unwrap_model
-
     config = unwrap_model(chunks[0]).config
     return config.tensor_model_parallel_size if config.sequence_parallel else 1
 
@@ -80,7 +111,11 @@ def _forward_step(data_iterator, model, *, loss_fn: LossFn, temperature: float, 
         tokens = torch.nn.functional.pad(tokens, (0, run_len - s))
     position_ids = torch.arange(run_len, device=device).expand(b, run_len)
     output = model(tokens, position_ids, _causal_mask(run_len, device))
-    per_token = token_values if is_value_model(model) else partial(token_logprobs, temperature=temperature)
+    if is_value_model(model):
+        per_token = token_values
+    else:
+        vocab = getattr(unwrap_model(model), "arch", None)
+        per_token = partial(token_logprobs, temperature=temperature, vocab_size=vocab and vocab.vocab_size)
     return output, partial(_loss_on_last_stage, mb, loss_fn=loss_fn, per_token=per_token)
 
 

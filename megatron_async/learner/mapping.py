@@ -13,6 +13,15 @@ three can never disagree. Layouts (megatron-core 0.16, checked bit-exactly by th
 - PP: each layer knows its global index (`layer.layer_number`, 1-based).
 - Tied embeddings: `output_layer.weight` exists only on the last stage when PP > 1; it is loaded
   from `model.embed_tokens.weight` and never yielded (the first stage yields that).
+- Vocabulary padding (`learner.model.padded_vocab_size`): the embedding and output layer have
+  `model.padded_vocab_size` rows, the HF tensors `arch.vocab_size`. HF -> megatron appends ZERO
+  rows before splitting over TP (kind "vocab"); megatron -> HF cuts the gathered tensor back to
+  vocab_size rows, so an HF export and the tensors synced to vLLM are exactly HF-shaped. Zeros,
+  not megatron-LM's converters' copies of the last row or a small random init: the learner masks
+  the padded logits to -inf (`learner.logprobs.mask_vocab_padding`) and never looks the rows up,
+  so their values cannot matter; zeros are the same at every TP, get zero gradient (Adam and
+  weight decay leave them zero), and would give logit 0, not a random one, to any tool that
+  read a megatron checkpoint without the mask.
 - `score_head=True` (loading a PPO value model, `learner.value`, from a reward model): the
   checkpoint is an HF `*ForSequenceClassification` with one label: the trunk as above, no
   `lm_head.weight`, and `score.weight` [1, hidden] for the value head's weight (replicated over
@@ -40,7 +49,7 @@ class Rule:
 
     hf: tuple[str, ...]
     split_dim: int | None  # None: replicated across TP
-    kind: str = "plain"  # plain | qkv | fc1
+    kind: str = "plain"  # plain | qkv | fc1 | vocab (padded rows, see the module docstring)
 
 
 _QKV_W = Rule(("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), 0, "qkv")
@@ -63,11 +72,11 @@ LAYER_RULES = {
 }
 EMBED = "model.embed_tokens.weight"
 TOP_RULES = {
-    "embedding.word_embeddings.weight": Rule((EMBED,), 0),
+    "embedding.word_embeddings.weight": Rule((EMBED,), 0, "vocab"),
     "decoder.final_layernorm.weight": Rule(("model.norm.weight",), None),
-    "output_layer.weight": Rule(("lm_head.weight",), 0),
+    "output_layer.weight": Rule(("lm_head.weight",), 0, "vocab"),
 }
-_TIED_OUTPUT = Rule((EMBED,), 0)
+_TIED_OUTPUT = Rule((EMBED,), 0, "vocab")
 SCORE = "score.weight"
 _SCORE_HEAD = Rule((SCORE,), None)
 
@@ -110,20 +119,36 @@ def split_fc1(gathered: torch.Tensor, tp: int) -> tuple[torch.Tensor, torch.Tens
     return per_rank[:, 0].reshape(-1, *gathered.shape[1:]), per_rank[:, 1].reshape(-1, *gathered.shape[1:])
 
 
-def to_megatron_shard(hf: list[torch.Tensor], rule: Rule, arch: LlamaArch, tp: int, rank: int) -> torch.Tensor:
-    """The TP shard `rank` of a megatron parameter, from its HF tensors (in `rule.hf` order)."""
+def pad_vocab(hf: torch.Tensor, padded: int) -> torch.Tensor:
+    """An HF [vocab_size, ...] embedding / lm_head with zero rows appended up to `padded` rows."""
+    if padded < hf.shape[0]:
+        raise ValueError(f"padded vocabulary ({padded}) is smaller than the tensor's {hf.shape[0]} rows")
+    if padded == hf.shape[0]:
+        return hf
+    return torch.cat([hf, hf.new_zeros(padded - hf.shape[0], *hf.shape[1:])])
+
+
+def to_megatron_shard(hf: list[torch.Tensor], rule: Rule, arch: LlamaArch, tp: int, rank: int,
+                      padded_vocab: int | None = None) -> torch.Tensor:
+    """The TP shard `rank` of a megatron parameter, from its HF tensors (in `rule.hf` order).
+    `padded_vocab`: the model's vocabulary rows (kind "vocab"; default arch.vocab_size, no padding)."""
     if rule.kind == "fc1":
         return fc1_shard(hf[0], hf[1], tp, rank)
     full = fuse_qkv(*hf, arch) if rule.kind == "qkv" else hf[0]
+    if rule.kind == "vocab":
+        full = pad_vocab(full, padded_vocab or arch.vocab_size)
     return full if rule.split_dim is None else full.chunk(tp, dim=rule.split_dim)[rank]
 
 
 def to_hf(gathered: torch.Tensor, rule: Rule, arch: LlamaArch, tp: int) -> tuple[torch.Tensor, ...]:
-    """HF tensors (in `rule.hf` order) from a megatron parameter's TP shards concatenated on split_dim."""
+    """HF tensors (in `rule.hf` order) from a megatron parameter's TP shards concatenated on split_dim
+    (kind "vocab": the padding rows cut off, a view)."""
     if rule.kind == "qkv":
         return split_qkv(gathered, arch)
     if rule.kind == "fc1":
         return split_fc1(gathered, tp)
+    if rule.kind == "vocab":
+        return (gathered[:arch.vocab_size],)
     return (gathered,)
 
 
@@ -252,12 +277,13 @@ def load_hf_weights(model_chunks: list, hf_dir: str | os.PathLike, score_head: b
     files = validate_hf_checkpoint(hf_dir, arch, score_head)
     tp, rank, _ = _tp()
     for chunk in model_chunks:
+        padded = getattr(_unwrap(chunk), "padded_vocab_size", arch.vocab_size)
         for mname, param, rule, prefix in _named_rules(chunk, arch, score_head):
             tensors = []
             for suffix in rule.hf:
                 with safe_open(str(files[prefix + suffix]), framework="pt") as fh:
                     tensors.append(fh.get_tensor(prefix + suffix))
-            shard = to_megatron_shard(tensors, rule, arch, tp, rank)
+            shard = to_megatron_shard(tensors, rule, arch, tp, rank, padded)
             if shard.shape != param.shape:
                 raise ValueError(f"{mname}: shard built from {[prefix + s for s in rule.hf]} has shape "
                                  f"{list(shard.shape)}, the parameter has {list(param.shape)}")
@@ -271,6 +297,7 @@ def iter_hf_weights(model_chunks: list, hf_config=None, grads: bool = False) -> 
     Every rank of the stage must iterate it together: TP shards are all-gathered within the TP
     group, and only the stage's source rank (TP rank 0, DP rank 0) yields; the others yield nothing.
     Ranks with DP rank > 0 take no part (their TP groups are separate) and return at once.
+    The vocabulary's padding rows are cut off: every tensor has its HF shape (`expected_hf_shapes`).
     At most one gathered parameter exists at a time; yielded tensors are on the parameters' device
     and may be views into that buffer, so copy them before the next `next()` if you keep them.
 

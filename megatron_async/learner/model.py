@@ -5,8 +5,20 @@ without sliding window, and qwen2 (bias on q/k/v). RMSNorm, SwiGLU, RoPE (rotate
 GQA, tied or untied embeddings. Layer spec: Transformer Engine when TE and CUDA are present,
 else megatron's local spec. Dtype: fp32 on CPU (params built on the CPU), bf16 on GPU.
 
-The architecture is read once into `LlamaArch`, which `weights.mapping` also uses to check an HF
+The architecture is read once into `LlamaArch`, which `learner.mapping` also uses to check an HF
 checkpoint's tensor names and shapes against the model before anything is loaded.
+
+Vocabulary padding (megatron's `make_vocab_size_divisible_by`): the embedding and the output layer
+are built with `padded_vocab_size(vocab_size, tp, divisible_by)` rows, the HF vocab_size rounded up
+to a multiple of divisible_by x TP (default 128, config key `model.make_vocab_size_divisible_by`),
+so every TP rank holds an equal, aligned slice of the vocabulary whatever the HF vocab_size (32001,
+1003, ...). Rows >= vocab_size are padding: zero (here, and in `learner.mapping`'s HF load), never
+looked up (token ids are < vocab_size), their logits set to -inf before any log-softmax
+(`learner.logprobs.mask_vocab_padding`, so they get no probability and no gradient and stay zero),
+and stripped from every HF-named tensor the learner gives out (`mapping.iter_hf_weights`: HF export
+and the weight sync to vLLM). The padded size depends on TP; learner checkpoints still load at any
+TP, because megatron-core marks these two tensors `allow_shape_mismatch` (overlapping rows load,
+the rest are zero). `LlamaArch.vocab_size` stays the HF value.
 """
 from __future__ import annotations
 
@@ -23,6 +35,17 @@ if TYPE_CHECKING:
     from megatron_async.learner.perf import PerfSettings, ResolvedPerf
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+VOCAB_DIVISIBLE_BY = 128  # megatron's default make_vocab_size_divisible_by
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+    """The learner's vocabulary size: `vocab_size` rounded up to a multiple of divisible_by x tp
+    (megatron-LM's `_vocab_size_with_padding`). 1 = pad only to a multiple of tp."""
+    if vocab_size < 1 or tp < 1 or divisible_by < 1:
+        raise ValueError(f"padded_vocab_size needs positive sizes (vocab_size={vocab_size}, tp={tp}, "
+                         f"make_vocab_size_divisible_by={divisible_by})")
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -52,14 +75,13 @@ class LlamaArch:
         return dict(self.rope_scaling).get("rope_type", "default")
 
     def check_parallel(self, tp: int, pp: int) -> None:
-        """Raise ValueError if the model cannot be split TP x PP."""
+        """Raise ValueError if the model cannot be split TP x PP. (The vocabulary always can: it is
+        padded to a multiple of TP, `padded_vocab_size`.)"""
         problems = []
         if self.num_heads % tp:
             problems.append(f"num_attention_heads={self.num_heads}")
         if self.num_kv_heads % tp:
             problems.append(f"num_key_value_heads={self.num_kv_heads}")
-        if self.vocab_size % tp:
-            problems.append(f"vocab_size={self.vocab_size}")
         if self.intermediate_size % tp:
             problems.append(f"intermediate_size={self.intermediate_size}")
         if problems:
@@ -188,14 +210,17 @@ def transformer_config(arch: LlamaArch, tp: int = 1, pp: int = 1, dtype: torch.d
 
 
 def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dtype | None = None,
-                perf: "PerfSettings | ResolvedPerf | None" = None) -> list:
+                perf: "PerfSettings | ResolvedPerf | None" = None,
+                make_vocab_size_divisible_by: int = VOCAB_DIVISIBLE_BY) -> list:
     """Build this rank's model chunk(s) (a one-element list: no virtual pipeline) with random
-    weights; load real ones with `weights.mapping.load_hf_weights`.
+    weights (the vocabulary's padding rows zero); load real ones with `learner.mapping.load_hf_weights`.
 
     Needs `learner.parallel.init_parallel` first; TP/PP sizes come from megatron's parallel_state.
     `perf`: the performance settings (`learner.perf.PerfSettings.from_config(cfg.parallel)`; None =
     auto), resolved here for this backend and layout and stored as `model.perf`, where
     `learner.optimizer.build_optimizer` reads the DDP overlap settings.
+    `make_vocab_size_divisible_by`: the vocabulary is padded to a multiple of it x TP (module
+    docstring); the padded size is stored as `model.padded_vocab_size`.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -217,6 +242,7 @@ def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dt
         perf = resolve(perf, Backend.detect(), tp=tp, dp=parallel_state.get_data_parallel_world_size(),
                        tied_embeddings=arch.tie_word_embeddings)
     config = transformer_config(arch, tp, pp, dtype, perf=perf)
+    vocab = padded_vocab_size(arch.vocab_size, tp, make_vocab_size_divisible_by)
     spec = (get_gpt_layer_with_transformer_engine_spec() if perf.backend.te
             else get_gpt_layer_local_spec(normalization="RMSNorm"))
 
@@ -224,7 +250,7 @@ def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dt
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
-        vocab_size=arch.vocab_size,
+        vocab_size=vocab,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
@@ -247,9 +273,33 @@ def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dt
             high_freq_factor=rope["high_freq_factor"],
             original_max_position_embeddings=rope["original_max_position_embeddings"],
         )
-    model.arch = arch  # read by weights.mapping and learner.checkpoint
+    _zero_vocab_padding(model, arch.vocab_size, vocab, tp)
+    model.arch = arch  # read by learner.mapping and learner.checkpoint
+    model.padded_vocab_size = vocab  # rows >= arch.vocab_size are padding (module docstring)
     model.perf = perf  # read by learner.optimizer (DDP overlap, distributed optimizer)
     model.hf_config = raw  # written into checkpoints, for the conversion back to HF
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return [model]
+
+
+def vocab_shard_real_rows(vocab_size: int, padded: int, tp: int, rank: int) -> int:
+    """How many of TP rank `rank`'s `padded // tp` vocabulary rows are real (< vocab_size);
+    megatron gives rank r the contiguous rows [r * padded / tp, (r + 1) * padded / tp)."""
+    per_rank = padded // tp
+    return max(0, min(per_rank, vocab_size - rank * per_rank))
+
+
+@torch.no_grad()
+def _zero_vocab_padding(model, vocab_size: int, padded: int, tp: int) -> None:
+    """Zero this rank's padding rows of the embedding and the (untied) output layer."""
+    if padded == vocab_size:
+        return
+    from megatron.core import parallel_state
+
+    real = vocab_shard_real_rows(vocab_size, padded, tp, parallel_state.get_tensor_model_parallel_rank())
+    for owner in ("embedding", "output_layer"):
+        module = getattr(model, owner, None)
+        weight = getattr(getattr(module, "word_embeddings", module), "weight", None)
+        if weight is not None:
+            weight[real:].zero_()

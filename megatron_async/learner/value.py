@@ -6,7 +6,7 @@
     values = learner.logprobs.compute_values(ddp, microbatches)   # [b, s] per microbatch
 
 Design: the same `GPTModel` as the policy (built and loaded by `learner.model.build_model` and
-`weights.mapping.load_hf_weights`, so TP/PP sharding, the pipeline schedule, DDP, the optimizer
+`learner.mapping.load_hf_weights`, so TP/PP sharding, the pipeline schedule, DDP, the optimizer
 and `dist_checkpointing` are the policy's own), whose `output_layer` on the last stage is swapped
 for `ValueHead`. GPTModel calls `output_layer(hidden, weight=..., runtime_gather_output=...)` on
 the final-normed hidden states and transposes its output to [b, s, ...], so the head's [s, b, 1]
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_async.learner.model import build_model, unwrap_model
+from megatron_async.learner.model import VOCAB_DIVISIBLE_BY, build_model, unwrap_model
 
 
 class ValueHead(torch.nn.Module):
@@ -54,13 +54,15 @@ class ValueHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
-def build_value_model(hf_dir, from_reward_model: bool = False, perf=None) -> list:
+def build_value_model(hf_dir, from_reward_model: bool = False, perf=None,
+                      make_vocab_size_divisible_by: int = VOCAB_DIVISIBLE_BY) -> list:
     """This rank's value-model chunks: the trunk of the HF checkpoint `hf_dir` and a `ValueHead` on
     the last stage, zero, or with `from_reward_model` (a one-label sequence classifier) its `score.weight`.
-    `perf`: as for `learner.model.build_model` (the policy's settings)."""
+    `perf`, `make_vocab_size_divisible_by`: as for `learner.model.build_model` (the policy's settings;
+    the embedding is padded like the policy's)."""
     from megatron_async.learner.mapping import load_hf_weights
 
-    chunks = build_model(hf_dir, perf=perf)
+    chunks = build_model(hf_dir, perf=perf, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     if not from_reward_model:
         load_hf_weights(chunks, hf_dir)  # before the swap: the policy's checkpoint has an LM head, not ours
     for model in chunks:

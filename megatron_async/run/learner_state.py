@@ -76,9 +76,10 @@ class LearnerState:
                                  adam_beta2=t.adam_beta2, clip_grad=t.grad_clip, warmup_steps=t.warmup_steps,
                                  decay_steps=max(1, optim_steps - t.warmup_steps), decay_style=t.lr_decay)
         perf = PerfSettings.from_config(cfg.parallel)  # parallel.* GPU settings, resolved per model (learner/perf.py)
-        policy = build_model(init_model, perf=perf)
+        vocab_pad = cfg.model.make_vocab_size_divisible_by  # learner/model.py: vocabulary padding
+        policy = build_model(init_model, perf=perf, make_vocab_size_divisible_by=vocab_pad)
         load_hf_weights(policy, init_model)
-        reference = build_model(init_model, perf=perf)
+        reference = build_model(init_model, perf=perf, make_vocab_size_divisible_by=vocab_pad)
         load_hf_weights(reference, init_model)
         for chunk in reference:
             chunk.requires_grad_(False)
@@ -86,7 +87,8 @@ class LearnerState:
         value = None
         if algorithm.value_model:  # starts from the reward model if there is one, else the policy
             chunks = build_value_model(cfg.reward.model_path if value_from_rm else init_model,
-                                       from_reward_model=value_from_rm, perf=perf)
+                                       from_reward_model=value_from_rm, perf=perf,
+                                       make_vocab_size_divisible_by=vocab_pad)
             value_lr = t.value_lr or t.lr  # the policy's schedule shape, scaled to value_lr
             value = Trainable(*build_optimizer(chunks, dataclasses.replace(settings, lr=value_lr,
                                                                            min_lr=t.min_lr * value_lr / t.lr)))

@@ -81,10 +81,17 @@ def _check_model(cfg: Config) -> None:
     groups = hf.get("num_key_value_heads") or heads
     _require(heads % par.tp == 0, "parallel.tp", par.tp, f"must divide the number of attention heads ({heads})")
     _require(groups % par.tp == 0, "parallel.tp", par.tp, f"must divide the number of query groups / KV heads ({groups})")
-    for name in ("vocab_size", "intermediate_size"):  # the learner splits both over TP ranks (learner/model.py)
-        if isinstance(hf.get(name), int):
-            _require(hf[name] % par.tp == 0, "parallel.tp", par.tp, f"must divide the model's {name} ({hf[name]}, "
-                     f"{cfg.model.hf_path}/config.json)")
+    if isinstance(hf.get("intermediate_size"), int):  # the learner splits the MLP over TP ranks (learner/model.py)
+        _require(hf["intermediate_size"] % par.tp == 0, "parallel.tp", par.tp, f"must divide the model's "
+                 f"intermediate_size ({hf['intermediate_size']}, {cfg.model.hf_path}/config.json)")
+    # The vocabulary needs no check against TP: the learner pads it to a multiple of
+    # model.make_vocab_size_divisible_by x tp (learner/model.py); it must be a positive integer.
+    vocab = hf.get("vocab_size")
+    if "vocab_size" in hf and not (isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= 1):
+        raise ConfigError(f"key 'model.hf_path' = {cfg.model.hf_path!r}: config.json has vocab_size={vocab!r}, "
+                          "expected a positive integer (the learner pads it to a multiple of "
+                          f"model.make_vocab_size_divisible_by x parallel.tp = "
+                          f"{cfg.model.make_vocab_size_divisible_by} x {par.tp})")
     if "num_hidden_layers" in hf:
         layers = hf["num_hidden_layers"]
         _require(layers % par.pp == 0, "parallel.pp", par.pp, f"must divide the number of layers ({layers})")

@@ -48,7 +48,8 @@ def run_sft(cfg: Config, base: Path, tokenizer, layout: ParallelLayout, tracker)
         log.info("SFT model found at %s: reusing it", out)
         return out
     s = cfg.sft
-    chunks = build_model(base, perf=PerfSettings.from_config(cfg.parallel))
+    chunks = build_model(base, perf=PerfSettings.from_config(cfg.parallel),
+                         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
     load_hf_weights(chunks, base)
     settings = OptimSettings(lr=s.lr, min_lr=s.lr / 10, clip_grad=1.0, warmup_steps=min(20, s.steps // 10),
                              decay_steps=max(1, s.steps - min(20, s.steps // 10)), decay_style="cosine")
