@@ -167,6 +167,112 @@ def test_write_sweep_writes_csv_json_and_png_with_failed_rows(tmp_path):
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_sweep_plan_crosses_corrections_with_the_algorithms_that_take_one_and_puts_seeds_outermost():
+    plan = sweep_plan(["online_dpo", "ppo", "grpo"], [1, 4], [], [], corrections=["none", "tis"], seeds=[0, 1])
+    cells = [(p["seed"], p["algorithm"], p["correction"], p["value"]) for p in plan]
+    assert len(plan) == 2 * (1 + 2 + 2) * 2  # seeds x (online_dpo once, ppo and grpo per correction) x N
+    assert cells[:10] == [(0, "online_dpo", "n/a", 1), (0, "online_dpo", "n/a", 4),
+                          (0, "ppo", "none", 1), (0, "ppo", "none", 4), (0, "ppo", "tis", 1), (0, "ppo", "tis", 4),
+                          (0, "grpo", "none", 1), (0, "grpo", "none", 4), (0, "grpo", "tis", 1), (0, "grpo", "tis", 4)]
+    assert {c[0] for c in cells[10:]} == {1}
+    assert plan[0]["overrides"] == ["trainer.minibatches=1", "run.seed=0"]  # online_dpo: no correction key
+    assert plan[4]["overrides"] == ["trainer.minibatches=1", "trainer.off_policy_correction=tis", "run.seed=0"]
+    assert plan[4]["name"] == "ppo_N1_tis_seed0"
+    assert len({p["name"] for p in plan}) == len(plan)  # every run has its own dir
+
+
+def test_sweep_plan_runs_t_and_k_per_seed_with_the_first_algorithms_first_correction():
+    plan = sweep_plan(["rloo"], [1], [2], [8], corrections=["tis", "none"], seeds=[3], corrected={"rloo"})
+    assert [(p["knob"], p["value"], p["correction"]) for p in plan] == [
+        ("N", 1, "tis"), ("N", 1, "none"), ("T", 2, "tis"), ("K", 8, "tis")]
+    assert plan[-1]["overrides"] == ["rollout.k=8", "trainer.off_policy_correction=tis", "run.seed=3"]
+
+
+def test_with_base_rows_adds_the_first_algorithms_n1_run_as_t1_and_k_per_seed():
+    from megatron_async.bench.commands import with_base_rows
+
+    rows = [{"algorithm": "ppo", "correction": "none", "seed": s, "knob": "N", "value": n, "status": "ok"}
+            for s in (0, 1) for n in (1, 2)] + \
+           [{"algorithm": "ppo", "correction": "tis", "seed": 0, "knob": "N", "value": 1, "status": "ok"}]
+    extra = with_base_rows(rows, 8)[len(rows):]
+    assert [(r["seed"], r["knob"], r["value"], r["same_run_as"]) for r in extra] == [
+        (0, "T", 1, "N=1"), (0, "K", 8, "N=1"), (1, "T", 1, "N=1"), (1, "K", 8, "N=1")]
+
+
+def sweep_rows():
+    def run(algorithm, correction, seed, n, p1, reward, kl, status="ok"):
+        return {"algorithm": algorithm, "correction": correction, "seed": seed, "knob": "N", "value": n,
+                "status": status, "pass_at_1_before": 0.5, "pass_at_1_after": p1, "final_reward": reward,
+                "final_kl": kl, "wall_s": 10.0}
+    return [run("online_dpo", "n/a", 0, 1, 0.60, 0.40, 0.10), run("online_dpo", "n/a", 1, 1, 0.64, 0.44, 0.20),
+            run("ppo", "none", 0, 1, 0.55, 0.30, 0.05), run("ppo", "none", 1, 1, None, None, None, "failed: x"),
+            run("ppo", "tis", 0, 1, 0.50, 0.20, 0.02), run("ppo", "tis", 1, 1, 0.52, 0.30, 0.04),
+            run("online_dpo", "n/a", 0, 2, 0.58, 0.35, 0.30), run("online_dpo", "n/a", 1, 2, 0.58, 0.37, 0.34)]
+
+
+def test_aggregate_sweep_means_and_half_ranges_over_the_seeds_that_finished():
+    from megatron_async.bench.commands import aggregate_sweep
+
+    agg = {(r["algorithm"], r["correction"], r["value"]): r for r in aggregate_sweep(sweep_rows())}
+    assert list(agg) == [("online_dpo", "n/a", 1), ("ppo", "none", 1), ("ppo", "tis", 1), ("online_dpo", "n/a", 2)]
+    dpo = agg[("online_dpo", "n/a", 1)]
+    assert dpo["seeds"] == [0, 1] and dpo["failed"] == 0
+    assert dpo["pass_at_1_after"] == pytest.approx(0.62) and dpo["pass_at_1_after_spread"] == pytest.approx(0.02)
+    assert dpo["final_kl"] == pytest.approx(0.15) and dpo["final_kl_spread"] == pytest.approx(0.05)
+    ppo = agg[("ppo", "none", 1)]
+    assert ppo["seeds"] == [0] and ppo["failed"] == 1 and ppo["status"] == "ok"
+    assert ppo["final_reward"] == pytest.approx(0.30) and ppo["final_reward_spread"] == 0
+
+
+def test_aggregate_sweep_of_only_failed_runs_keeps_the_failure():
+    from megatron_async.bench.commands import aggregate_sweep
+
+    (row,) = aggregate_sweep([{"algorithm": "grpo", "correction": "tis", "seed": 0, "knob": "N", "value": 8,
+                               "status": "failed: train exited 1"}])
+    assert row["status"].startswith("failed") and row["failed"] == 1 and row["pass_at_1_after"] is None
+
+
+def test_sweep_table_shows_mean_plus_minus_half_range_and_failed_seeds():
+    from megatron_async.bench.commands import aggregate_sweep, sweep_table
+
+    lines = sweep_table(aggregate_sweep(sweep_rows())).splitlines()
+    assert lines[0].startswith("| algorithm | correction | run | seeds | held-out pass@1 after")
+    assert lines[2] == "| online_dpo | n/a | N=1 | 2 | 0.620 ± 0.020 | 0.420 ± 0.020 | 0.150 ± 0.050 |"
+    assert lines[3] == "| ppo | none | N=1 | 1 (1 failed) | 0.550 | 0.300 | 0.050 |"  # one seed: no spread
+    assert len(lines) == 2 + 4
+
+
+def test_write_sweep_with_seeds_and_corrections_writes_the_table_and_figure4(tmp_path):
+    import json
+
+    from megatron_async.bench.commands import write_sweep
+
+    write_sweep(tmp_path, sweep_rows(), {"max_lag": 0, "steps": 2, "prompts_per_step": 4, "k": 4, "eval_size": 256,
+                                         "command": "megatron-async bench sweep x", "planned_runs": 8,
+                                         "finished_runs": 8}, quiet=True)
+    md = (tmp_path / "sweep.md").read_text()
+    assert "256 held-out problems; 8 of 8 planned runs" in md and "pass@1 before 0.500-0.500" in md
+    assert "| ppo | tis | N=1 | 2 | 0.510 ± 0.010 |" in md
+    data = json.loads((tmp_path / "sweep.json").read_text())
+    assert len(data["rows"]) == 8 and len(data["aggregate"]) == 4
+    for png in ("sweep.png", "figure4.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_final_metric_averages_the_last_steps_that_logged_it():
+    hist = [{"step": 0, "x": 1.0}, {"step": 1, "x": 2.0}, {"step": 2}, {"step": 3, "x": 4.0}, {"step": 4, "x": 6.0}]
+    assert report.final_metric(hist, "x") == pytest.approx(4.0)
+    assert report.final_metric(hist, "y") is None
+
+
+def test_sweep_parser_takes_corrections_and_seeds():
+    from megatron_async.bench.commands import build_parser
+
+    args = build_parser().parse_args(["sweep", "c.yaml", "--corrections", "none", "tis", "--seeds", "0", "1"])
+    assert args.corrections == ["none", "tis"] and args.seeds == [0, 1]
+    assert build_parser().parse_args(["sweep", "c.yaml"]).corrections == []
+
+
 def test_time_to_quality_places_each_evaluation_at_its_steps_wall_time():
     from megatron_async.bench.commands import time_to_quality_report
 

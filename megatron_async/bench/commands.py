@@ -18,9 +18,14 @@ final held-out pass@1 and its ratio to sync (`time_to_quality`).
 Writes `bench_async.json` and `bench_async_timeline.png` into --out-dir.
 
 `sweep`: N (trainer.minibatches) for each algorithm, then T (trainer.updates_per_batch) and K
-(rollout.k) for the first algorithm; final reward and KL per run; `sweep.csv`, `sweep.json`,
-`sweep.png` (reward vs KL, the paper's Figure 4 analogue). The default is sized for ~10-15 min on
-2 shared cores; the paper-sized run is in docs/performance.md.
+(rollout.k) for the first algorithm; `--corrections none tis` runs each policy-gradient algorithm
+(ppo, rloo, proximal_rloo, grpo) once per trainer.off_policy_correction (online_dpo takes none:
+once), `--seeds 0 1` repeats everything per run.seed (outer loop). Final training reward, KL to
+the reference and held-out pass@1 per run (256 problems by default: one is 0.39%); `sweep.csv`
+(runs), `sweep.md` (mean ± half-range over seeds), `sweep.json`, `sweep.png` (training reward vs
+KL by N, T, K) and `figure4.png` (held-out pass@1 and training reward vs KL by N: the paper's
+Figure 4 analogue), rewritten after every run. The default is sized for ~10-15 min on 2 shared
+cores; the measured Figure 4 sweep is in docs/off-policy.md.
 
 CPU layout: by default (`--pin auto`) the learner is pinned to CPU 0 and the replicas to the
 other CPUs (parallel.learner_cpus / rollout.replica_cpus), as the paper puts them on separate
@@ -273,14 +278,52 @@ def fold_rollout(out_dir: Path, argv: list[str]) -> dict:
 # ----------------------------------------------------------------------------- bench sweep
 
 
-def sweep_plan(algorithms: list[str], ns: list[int], ts: list[int], ks: list[int]) -> list[dict]:
-    """Runs of the sweep: N for every algorithm, T and K for the first one (N=1, T=1, K=config)."""
-    plan = [{"algorithm": a, "knob": "N", "value": n, "overrides": [f"trainer.minibatches={n}"]}
-            for a in algorithms for n in ns]
-    if algorithms:
-        a = algorithms[0]
-        plan += [{"algorithm": a, "knob": "T", "value": t, "overrides": [f"trainer.updates_per_batch={t}"]} for t in ts]
-        plan += [{"algorithm": a, "knob": "K", "value": k, "overrides": [f"rollout.k={k}"]} for k in ks]
+NO_CORRECTION = "n/a"  # the correction label of algorithms that take none (online_dpo, best_of_k_sft)
+
+
+def takes_correction(algorithm: str) -> bool:
+    """Whether `trainer.off_policy_correction` reaches this algorithm's loss (ppo, rloo, proximal_rloo, grpo)."""
+    from megatron_async.algorithms import ALGORITHMS
+
+    return ALGORITHMS[algorithm].corrects_off_policy
+
+
+def sweep_plan(algorithms: list[str], ns: list[int], ts: list[int], ks: list[int],
+               corrections: list[str] | None = None, seeds: list[int] | None = None,
+               corrected: set[str] | None = None) -> list[dict]:
+    """Runs of the sweep, per seed: N for every algorithm x correction, then T and K for the first
+    algorithm with its first correction (N=1, T=1, K=config).
+
+    `corrections` (trainer.off_policy_correction values) apply to the algorithms in `corrected`
+    (default: those whose loss takes one, `takes_correction`); the others run once, labelled
+    NO_CORRECTION. No corrections: the config's own, labelled "". No seeds: the config's run.seed
+    (seed None). Seeds are the outer loop, so a sweep stopped early holds complete seeds.
+    """
+    corrections = list(corrections or [])
+    if corrected is None:
+        corrected = {a for a in algorithms if takes_correction(a)}
+
+    def variants(a: str) -> list[tuple[str, list[str]]]:
+        if not corrections:
+            return [("", [])]
+        if a not in corrected:
+            return [(NO_CORRECTION, [])]
+        return [(c, [f"trainer.off_policy_correction={c}"]) for c in corrections]
+
+    plan = []
+    for seed in (seeds or [None]):
+        seeded = [] if seed is None else [f"run.seed={seed}"]
+        cells = [(a, c, o, "N", n, [f"trainer.minibatches={n}"]) for a in algorithms for c, o in variants(a)
+                 for n in ns]
+        if algorithms:
+            (c, o), a = variants(algorithms[0])[0], algorithms[0]
+            cells += [(a, c, o, "T", t, [f"trainer.updates_per_batch={t}"]) for t in ts]
+            cells += [(a, c, o, "K", k, [f"rollout.k={k}"]) for k in ks]
+        for a, c, o, knob, value, knob_o in cells:
+            name = f"{a}_{knob}{value}" + (f"_{c}" if c and c != NO_CORRECTION else "") + \
+                   ("" if seed is None else f"_seed{seed}")
+            plan.append({"algorithm": a, "correction": c, "seed": seed, "knob": knob, "value": value,
+                         "name": name, "overrides": [*knob_o, *o, *seeded]})
     return plan
 
 
@@ -292,10 +335,15 @@ def bench_sweep(args) -> int:
             "trainer.checkpoint_every=0"]
     shared = prepare_sft(args.config, base, out_dir, args.timeout_s, args.init_model)
     cfg = load_config(args.config, [*base, *shared])
-    plan = sweep_plan(algorithms, args.n, [t for t in args.t if t != 1], [k for k in args.k if k != cfg.rollout.k])
+    plan = sweep_plan(algorithms, args.n, [t for t in args.t if t != 1], [k for k in args.k if k != cfg.rollout.k],
+                      args.corrections, args.seeds)
+    meta = {"command": "megatron-async bench " + " ".join(args.argv), "machine_start": started,
+            "max_lag": args.max_lag, "steps": cfg.trainer.steps, "prompts_per_step": cfg.rollout.prompts_per_step,
+            "k": cfg.rollout.k, "eval_size": cfg.data.eval_size, "planned_runs": len(plan)}
+    t0 = time.monotonic()
     for i, item in enumerate(plan):
-        name = f"{item['algorithm']}_{item['knob']}{item['value']}"
-        row = {k: v for k, v in item.items() if k != "overrides"}
+        name = item["name"]
+        row = {k: v for k, v in item.items() if k not in ("overrides", "name")}
         try:
             extra = [f"trainer.algorithm={item['algorithm']}", *item["overrides"]]
             run = run_training(args.config, [*base, *shared, *extra], out_dir / "runs", name,
@@ -303,44 +351,122 @@ def bench_sweep(args) -> int:
             summ = report.mode_summary(run["history"])
             row.update(status="ok", final_reward=summ["final_reward"], final_kl=summ["final_kl"],
                        pass_at_1_before=run.get("pass_at_1_before"), pass_at_1_after=run.get("pass_at_1_after"),
-                       wall_s=summ["wall_s"], load_avg_1min=run["load_avg_before"][0])
+                       eval_n=run.get("eval_n"), wall_s=summ["wall_s"], seconds_total=run["seconds_total"],
+                       load_avg_1min=run["load_avg_before"][0],
+                       staleness_kl=report.final_metric(run["history"], "staleness/kl_k3_mean"),
+                       staleness_iw=report.final_metric(run["history"], "staleness/iw_mean"))
         except BenchError as e:
             row.update(status=f"failed: {str(e).splitlines()[0]}")
             print(e, file=sys.stderr)
         rows.append(row)
-    base_row = next((r for r in rows if algorithms and r["algorithm"] == algorithms[0] and r["knob"] == "N"
-                     and r["value"] == 1 and r["status"] == "ok"), None)
-    if base_row is not None:  # the N=1 run is also T=1 and K=<config>: plot it in those panels too
-        rows += [dict(base_row, knob="T", value=1, same_run_as="N=1"),
-                 dict(base_row, knob="K", value=cfg.rollout.k, same_run_as="N=1")]
-    meta = {"command": "megatron-async bench " + " ".join(args.argv), "machine_start": started,
-            "machine_end": machine(), "max_lag": args.max_lag, "steps": cfg.trainer.steps,
-            "prompts_per_step": cfg.rollout.prompts_per_step, "k": cfg.rollout.k}
-    write_sweep(out_dir, rows, meta)
+        # after every run, so a sweep stopped early still leaves its table and plots
+        progress = {"machine_end": machine(), "finished_runs": i + 1, "seconds": time.monotonic() - t0}
+        write_sweep(out_dir, with_base_rows(rows, cfg.rollout.k), {**meta, **progress}, quiet=i + 1 < len(plan))
     return 0
 
 
-def write_sweep(out_dir: Path, rows: list[dict], meta: dict) -> None:
-    """sweep.csv, sweep.json and sweep.png (atomic writes)."""
-    fields = ["algorithm", "knob", "value", "status", "final_reward", "final_kl", "pass_at_1_before",
-              "pass_at_1_after", "wall_s", "load_avg_1min", "same_run_as"]
+def with_base_rows(rows: list[dict], k: int) -> list[dict]:
+    """`rows` plus, per seed, the first algorithm's first N=1 run again as T=1 and K=`k` (it is
+    both: plotted in those panels too, marked same_run_as)."""
+    first = next((r for r in rows if r["knob"] == "N"), None)
+    if first is None:
+        return list(rows)
+    out = list(rows)
+    for r in rows:
+        if (r["knob"] == "N" and r["value"] == 1 and r["status"] == "ok" and r["algorithm"] == first["algorithm"]
+                and r.get("correction", "") == first.get("correction", "")):
+            out += [dict(r, knob="T", value=1, same_run_as="N=1"), dict(r, knob="K", value=k, same_run_as="N=1")]
+    return out
+
+
+AGGREGATED = ("pass_at_1_after", "final_reward", "final_kl", "pass_at_1_before", "wall_s", "staleness_kl")
+
+
+def aggregate_sweep(rows: list[dict]) -> list[dict]:
+    """One row per (algorithm, correction, knob, value) over its seeds, in first-seen order: for
+    each metric of AGGREGATED its mean over the runs that finished, `<metric>_spread` = half the
+    range (max - min) / 2 (for two seeds: the distance of each from the mean) and `<metric>_values`;
+    `seeds` = the seeds of the finished runs, `failed` = how many did not finish."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["algorithm"], r.get("correction", ""), r["knob"], r["value"]), []).append(r)
+    out = []
+    for (algorithm, correction, knob, value), rs in groups.items():
+        ok = [r for r in rs if r.get("status") == "ok"]
+        row = {"algorithm": algorithm, "correction": correction, "knob": knob, "value": value,
+               "status": "ok" if ok else rs[0].get("status", "failed"), "seeds": [r.get("seed") for r in ok],
+               "failed": len(rs) - len(ok)}
+        if any(r.get("same_run_as") for r in rs):
+            row["same_run_as"] = rs[0]["same_run_as"]
+        for key in AGGREGATED:
+            vals = [float(r[key]) for r in ok if r.get(key) is not None]
+            row[f"{key}_values"] = vals
+            row[key] = sum(vals) / len(vals) if vals else None
+            row[f"{key}_spread"] = (max(vals) - min(vals)) / 2 if vals else None
+        out.append(row)
+    return out
+
+
+def _pm(row: dict, key: str, digits: int = 3) -> str:
+    if row.get(key) is None:
+        return "-"
+    spread = f" ± {row[f'{key}_spread']:.{digits}f}" if len(row[f"{key}_values"]) > 1 else ""
+    return f"{row[key]:.{digits}f}{spread}"
+
+
+def sweep_table(agg: list[dict]) -> str:
+    """Markdown: algorithm, correction, knob=value, seeds finished, held-out pass@1 after, final
+    training reward and KL to the reference, each mean ± half-range over seeds."""
+    lines = ["| algorithm | correction | run | seeds | held-out pass@1 after | train reward (final) | KL to ref (final) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in agg:
+        if r.get("same_run_as"):
+            continue
+        seeds = str(len(r["seeds"])) + (f" ({r['failed']} failed)" if r["failed"] else "")
+        lines.append(f"| {r['algorithm']} | {r['correction'] or 'config'} | {r['knob']}={r['value']} | {seeds} | "
+                     f"{_pm(r, 'pass_at_1_after')} | {_pm(r, 'final_reward')} | {_pm(r, 'final_kl')} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_sweep(out_dir: Path, rows: list[dict], meta: dict, quiet: bool = False) -> None:
+    """sweep.csv (one row per run), sweep.json (runs and aggregates), sweep.md (the table over
+    seeds), sweep.png (training reward vs KL by N, T, K) and figure4.png (held-out pass@1 and
+    training reward vs KL by N, per algorithm and correction: the paper's Figure 4); atomic writes."""
+    agg = aggregate_sweep(rows)
+    fields = ["algorithm", "correction", "seed", "knob", "value", "status", "final_reward", "final_kl",
+              "pass_at_1_before", "pass_at_1_after", "eval_n", "staleness_kl", "staleness_iw", "wall_s",
+              "seconds_total", "load_avg_1min", "same_run_as"]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
+    out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / "sweep.csv", buf.getvalue())
-    atomic_write_text(out_dir / "sweep.json", json.dumps({**meta, "rows": rows}, indent=1))
-    png = report.plot_sweep(rows, out_dir / "sweep.png",
-                            title=f"toy off-policy sweep (max_lag={meta['max_lag']}, {meta['steps']} steps, "
-                                  f"{meta['prompts_per_step']} prompts/step)")
-    print(buf.getvalue())
-    print(f"wrote {out_dir / 'sweep.csv'}, sweep.json and {png}")
+    atomic_write_text(out_dir / "sweep.json", json.dumps({**meta, "rows": rows, "aggregate": agg}, indent=1))
+    table = sweep_table(agg)
+    before = [v for r in agg for v in r["pass_at_1_before_values"]]
+    head = (f"`{meta.get('command', '')}`\n\nmax_lag={meta.get('max_lag')}, {meta.get('steps')} steps x "
+            f"{meta.get('prompts_per_step')} prompts x K={meta.get('k')}, {meta.get('eval_size')} held-out problems; "
+            f"{meta.get('finished_runs', len(rows))} of {meta.get('planned_runs', len(rows))} planned runs; "
+            f"mean ± half-range over seeds" +
+            (f"; held-out pass@1 before {min(before):.3f}-{max(before):.3f}" if before else "") + "\n\n")
+    atomic_write_text(out_dir / "sweep.md", head + table)
+    title = (f"off-policy sweep (max_lag={meta.get('max_lag')}, {meta.get('steps')} steps, "
+             f"{meta.get('prompts_per_step')} prompts/step)")
+    png = report.plot_sweep(agg, out_dir / "sweep.png", title=title + ", means over seeds")
+    fig4 = report.plot_figure4(rows, agg, out_dir / "figure4.png",
+                               title=title + f", {meta.get('eval_size')} held-out problems")
+    if not quiet:
+        print(buf.getvalue())
+        print(table)
+        print(f"wrote {out_dir / 'sweep.csv'}, sweep.json, sweep.md, {png} and {fig4}")
 
 
 # ----------------------------------------------------------------------------- entry point
 
 # `bench sweep` prepends these unless --full: ~6 short runs' worth of compute per algorithm
-SWEEP_DEFAULTS = ["trainer.steps=6", "rollout.prompts_per_step=16", "data.eval_size=32", "trainer.micro_batch_size=16"]
+# 256 held-out problems: one problem is 0.39% of pass@1
+SWEEP_DEFAULTS = ["trainer.steps=6", "rollout.prompts_per_step=16", "data.eval_size=256", "trainer.micro_batch_size=16"]
 SMALL = ["model.tiny_hidden_size=64", "model.tiny_heads=2", "model.tiny_kv_heads=2", "model.tiny_layers=2",
          "sft.steps=200", "sft.batch_size=32", "trainer.steps=8", "rollout.prompts_per_step=16",
          "rollout.max_new_tokens=32", "data.eval_size=32", "trainer.micro_batch_size=16"]
@@ -375,6 +501,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sweep", help="the paper's N / T / K sweeps: final reward vs KL")
     common(s)
     s.add_argument("--algorithms", nargs="+", default=["online_dpo", "ppo", "rloo"])
+    s.add_argument("--corrections", nargs="*", default=[], choices=["none", "tis", "icepop", "decoupled", "auto"],
+                   help="trainer.off_policy_correction values, each a run of ppo / rloo / proximal_rloo / grpo "
+                        "(online_dpo and best_of_k_sft take none and run once); default: the config's")
+    s.add_argument("--seeds", type=int, nargs="*", default=[],
+                   help="run.seed of every run (the outer loop); default: the config's seed")
     s.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     s.add_argument("--t", type=int, nargs="+", default=[1, 2, 4])
     s.add_argument("--k", type=int, nargs="+", default=[2, 4, 8])

@@ -95,6 +95,12 @@ def mode_summary(history: Sequence[dict], tail: int = 3) -> dict:
     return out
 
 
+def final_metric(history: Sequence[dict], key: str, tail: int = 3) -> float | None:
+    """Mean of `key` over the last `tail` steps that logged it (None: no step did)."""
+    vals = [h[key] for h in history if h.get(key) is not None][-tail:]
+    return _mean(vals) if vals else None
+
+
 def quality_curve(history: Sequence[dict], evals: dict[int, float]) -> list[tuple[float, float]]:
     """[(wall seconds of the steps phase, held-out metric)] of a run's evaluations, in order.
 
@@ -222,19 +228,26 @@ def plot_timeline(runs: dict[str, Sequence[dict]], out: str | os.PathLike, title
     return _save(fig, out)
 
 
+def _sweep_label(r: dict) -> str:
+    """An algorithm, with its off-policy correction where it takes one ("ppo+tis")."""
+    c = r.get("correction") or ""
+    return r["algorithm"] + (f"+{c}" if c and c != "n/a" else "")
+
+
 def plot_sweep(rows: Sequence[dict], out: str | os.PathLike, title: str = "") -> Path:
-    """Figure 4 analogue: final reward vs KL per N (one line per algorithm); T and K panels."""
+    """Final training reward vs KL per N (one line per algorithm and correction); T and K panels.
+    Rows are runs or `aggregate_sweep`'s means over seeds (same keys)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in rows if r.get("status") == "ok"]
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("final_kl") is not None]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     for ax, knob, name in zip(axes, ("N", "T", "K"), ("minibatches N", "updates per batch T", "samples per prompt K")):
-        for algo in sorted({r["algorithm"] for r in ok if r["knob"] == knob}):
-            pts = sorted((r for r in ok if r["knob"] == knob and r["algorithm"] == algo), key=lambda r: r["value"])
-            ax.plot([p["final_kl"] for p in pts], [p["final_reward"] for p in pts], marker="o", label=algo)
+        for label in sorted({_sweep_label(r) for r in ok if r["knob"] == knob}):
+            pts = sorted((r for r in ok if r["knob"] == knob and _sweep_label(r) == label), key=lambda r: r["value"])
+            ax.plot([p["final_kl"] for p in pts], [p["final_reward"] for p in pts], marker="o", label=label)
             for p in pts:
                 ax.annotate(f"{knob}={p['value']}", (p["final_kl"], p["final_reward"]), fontsize=7,
                             textcoords="offset points", xytext=(3, 3))
@@ -244,8 +257,56 @@ def plot_sweep(rows: Sequence[dict], out: str | os.PathLike, title: str = "") ->
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8)
-    skipped = sorted({f"{r['algorithm']} {r['knob']}={r['value']}: {r['status'][:70]}"
+    skipped = sorted({f"{_sweep_label(r)} {r['knob']}={r['value']}: {r['status'][:70]}"
                       for r in rows if r.get("status") != "ok"})
     fig.suptitle(title + ("\nskipped: " + "; ".join(skipped) if skipped else ""), fontsize=9)
+    fig.tight_layout()
+    return _save(fig, out)
+
+
+def plot_figure4(runs: Sequence[dict], agg: Sequence[dict], out: str | os.PathLike, title: str = "") -> Path:
+    """The paper's Figure 4 analogue over the N runs: held-out pass@1 after training (left) and final
+    training reward (right) vs final KL to the reference. One colour per algorithm, solid without
+    a correction, dashed with one; big markers and the line (in order of N) are means over seeds,
+    error bars their half-range, small faint markers the single runs; the dotted line is the
+    starting model's held-out pass@1 (mean over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    means = [r for r in agg if r["knob"] == "N" and r.get("status") == "ok" and r.get("final_kl") is not None]
+    singles = [r for r in runs if r["knob"] == "N" and r.get("status") == "ok" and r.get("final_kl") is not None]
+    algorithms = sorted({r["algorithm"] for r in means})
+    colours = {a: plt.get_cmap("tab10")(i) for i, a in enumerate(algorithms)}
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
+    for ax, key, name in zip(axes, ("pass_at_1_after", "final_reward"),
+                             ("held-out pass@1 after training", "training reward (final)")):
+        for label in sorted({_sweep_label(r) for r in means}):
+            pts = sorted((r for r in means if _sweep_label(r) == label and r.get(key) is not None),
+                         key=lambda r: r["value"])
+            if not pts:
+                continue
+            colour = colours[pts[0]["algorithm"]]
+            style = "-" if (pts[0].get("correction") or "none") in ("none", "n/a", "") else "--"
+            ax.errorbar([p["final_kl"] for p in pts], [p[key] for p in pts],
+                        xerr=[p["final_kl_spread"] or 0 for p in pts], yerr=[p[f"{key}_spread"] or 0 for p in pts],
+                        color=colour, linestyle=style, marker="o" if style == "-" else "s", capsize=2, label=label)
+            for p in pts:
+                ax.annotate(f"N={p['value']}", (p["final_kl"], p[key]), fontsize=7, textcoords="offset points",
+                            xytext=(4, 3), color=colour)
+            one = [r for r in singles if _sweep_label(r) == label and r.get(key) is not None]
+            ax.scatter([r["final_kl"] for r in one], [r[key] for r in one], color=colour, s=10, alpha=0.35)
+        if key == "pass_at_1_after":
+            before = [r["pass_at_1_before"] for r in singles if r.get("pass_at_1_before") is not None]
+            if before:
+                ax.axhline(sum(before) / len(before), color="gray", linestyle=":", label="before (SFT model)")
+        ax.set_title(f"{name} vs KL, by minibatches N")
+        ax.set_xlabel("KL to reference (final)")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return _save(fig, out)
