@@ -76,6 +76,7 @@ def test_literal_choices():
     (["reward.kind=reward_model", "reward.model_path=.", "data.answer_key=null", "sft.steps=5"], "data.answer_key"),
     (["trainer.algorithm=ppo", "trainer.value_lr=0"], "trainer.value_lr"),
     (["trainer.algorithm=ppo", "trainer.lam=1.5"], "trainer.lam"),
+    (["model.make_vocab_size_divisible_by=0"], "model.make_vocab_size_divisible_by"),
 ])
 def test_impossible_settings_fail_naming_the_key(overrides, key):
     with pytest.raises(ConfigError) as e:  # the schema's checks or the preflight's: before anything starts

@@ -107,16 +107,23 @@ def test_long_prompts_found_before_the_learner_starts(chat_model, tmp_path):
                                      "data.on_long_prompt=drop"]))
 
 
-def test_tp_must_divide_vocab_and_mlp_of_a_real_checkpoint(tmp_path):
+def test_tp_must_divide_the_mlp_not_the_vocab_of_a_real_checkpoint(tmp_path):
+    """A vocab_size TP does not divide is padded by the learner (model.make_vocab_size_divisible_by),
+    so it runs; the MLP is split as it is, so TP must divide it; a vocab_size that is no positive
+    integer cannot work."""
     model = tmp_path / "m"
     model.mkdir()
     hf = {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 49153, "intermediate_size": 64}
     (model / "config.json").write_text(json.dumps(hf))
     preflight(load_config(None, [f"model.hf_path={model}"]))
-    with pytest.raises(ConfigError, match=r"key 'parallel.tp' = 2: must divide the model's vocab_size \(49153"):
-        preflight(load_config(None, [f"model.hf_path={model}", "parallel.tp=2"]))
+    preflight(load_config(None, [f"model.hf_path={model}", "parallel.tp=2"]))  # padded to 49408
+    preflight(load_config(None, [f"model.hf_path={model}", "parallel.tp=2", "model.make_vocab_size_divisible_by=1"]))
     (model / "config.json").write_text(json.dumps({**hf, "vocab_size": 49152, "intermediate_size": 63}))
-    with pytest.raises(ConfigError, match=r"intermediate_size \(63"):
+    with pytest.raises(ConfigError, match=r"key 'parallel.tp' = 2: must divide the model's intermediate_size \(63"):
+        preflight(load_config(None, [f"model.hf_path={model}", "parallel.tp=2"]))
+    (model / "config.json").write_text(json.dumps({**hf, "vocab_size": 0}))
+    with pytest.raises(ConfigError, match=r"key 'model.hf_path' = .*vocab_size=0, expected a positive integer .* "
+                                          r"model.make_vocab_size_divisible_by x parallel.tp = 128 x 2"):
         preflight(load_config(None, [f"model.hf_path={model}", "parallel.tp=2"]))
 
 

@@ -38,9 +38,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def logits_of(chunks, ids):
+    """TP=1 logits over the HF vocabulary (the learner's padding columns cut off)."""
     b, s = ids.shape
     mask = torch.ones(s, s, dtype=torch.bool, device=ids.device).triu(1).view(1, 1, s, s)
-    return chunks[0](ids, torch.arange(s, device=ids.device).expand(b, s), mask).float()
+    out = chunks[0](ids, torch.arange(s, device=ids.device).expand(b, s), mask).float()
+    return out[..., :chunks[0].arch.vocab_size]
 
 
 def parity(src: Path) -> dict:

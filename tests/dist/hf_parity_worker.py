@@ -15,9 +15,10 @@ import torch
 
 
 def megatron_logits(chunks, ids):
+    """TP=1 logits over the HF vocabulary (the learner's padding columns cut off)."""
     b, s = ids.shape
     mask = torch.ones(s, s, dtype=torch.bool).triu(1).view(1, 1, s, s)
-    return chunks[0](ids, torch.arange(s).expand(b, s), mask)
+    return chunks[0](ids, torch.arange(s).expand(b, s), mask)[..., :chunks[0].arch.vocab_size]
 
 
 def compare(src: Path) -> dict:

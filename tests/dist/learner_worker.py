@@ -30,14 +30,16 @@ def nll(logprobs, mb):
 
 
 def full_logits(chunks, ids):
-    """Full-vocabulary logits through the pipeline schedule, gathered over TP (last stage only)."""
+    """Full-vocabulary logits through the pipeline schedule, gathered over TP (last stage only),
+    the learner's vocabulary padding cut off (its padded size depends on TP)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     def step(_, model):
         b, s = ids.shape
         out = model(ids, torch.arange(s).expand(b, s), torch.ones(s, s, dtype=torch.bool).triu(1).view(1, 1, s, s))
-        return out, lambda x: (x.new_zeros(()), {"logits": gather_from_tensor_model_parallel_region(x)})
+        vocab = chunks[0].arch.vocab_size
+        return out, lambda x: (x.new_zeros(()), {"logits": gather_from_tensor_model_parallel_region(x)[..., :vocab]})
 
     with torch.no_grad():
         store = get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=chunks,
