@@ -259,6 +259,57 @@ def test_write_sweep_with_seeds_and_corrections_writes_the_table_and_figure4(tmp
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_resumable_rows_reuses_finished_runs_of_a_sweep_of_the_same_sizes(tmp_path):
+    import json
+
+    from megatron_async.bench.commands import BenchError, resumable_rows, sweep_key, with_base_rows
+
+    meta = {"max_lag": 1, "steps": 10, "prompts_per_step": 32, "k": 4, "eval_size": 256}
+    assert resumable_rows(tmp_path / "sweep.json", meta) == {}  # nothing to resume
+    rows = with_base_rows(sweep_rows(), 4)  # + the online_dpo N=1 copies as T=1 / K=4
+    (tmp_path / "sweep.json").write_text(json.dumps({**meta, "command": "x", "rows": rows}))
+    got = resumable_rows(tmp_path / "sweep.json", meta)
+    assert len(got) == 7 and ("ppo", "none", 1, "N", 1) not in got  # the failed run is rerun
+    assert got[("ppo", "tis", 0, "N", 1)]["resumed"] and sweep_key(rows[4]) == ("ppo", "tis", 0, "N", 1)
+    with pytest.raises(BenchError, match="steps 10 != 12"):
+        resumable_rows(tmp_path / "sweep.json", {**meta, "steps": 12})
+
+
+def test_bench_sweep_resume_runs_only_what_is_missing_and_keeps_earlier_runs(tmp_path, monkeypatch):
+    import json
+
+    from megatron_async.bench import commands
+
+    ran = []
+
+    def fake_run(config, overrides, out_dir, name, **kw):
+        ran.append(name)
+        hist = [{"step": i, "timing/generation_s": 1.0, "timing/train_s": 1.0, "timing/sync_s": 0.1,
+                 "timing/learner_idle_s": 0.0, "timing/step_wall_s": 2.0, "reward/mean": 0.5, "kl/ref": 0.1}
+                for i in range(2)]
+        return {"history": hist, "pass_at_1_before": 0.5, "pass_at_1_after": 0.6, "eval_n": 256,
+                "seconds_total": 5.0, "load_avg_before": [1.0, 1.0, 1.0]}
+
+    monkeypatch.setattr(commands, "run_training", fake_run)
+    for plot in ("plot_sweep", "plot_figure4"):  # drawn by test_write_sweep_*; here only the loop matters
+        monkeypatch.setattr(report, plot, lambda *a, **k: None)
+    argv = ["sweep", str(commands.REPO / "configs" / "cpu_tiny.yaml"), "trainer.steps=2", "--algorithms", "online_dpo", "ppo",
+            "--t", "1", "--k", "8", "--corrections", "none", "tis", "--seeds", "0", "--init-model", "tiny-sft",
+            "--out-dir", str(tmp_path)]
+    monkeypatch.setattr(commands, "prepare_sft", lambda *a, **k: [])
+    assert commands.main([*argv, "--n", "1", "2"]) == 0
+    assert ran == ["online_dpo_N1_seed0", "online_dpo_N2_seed0", "ppo_N1_none_seed0", "ppo_N2_none_seed0",
+                   "ppo_N1_tis_seed0", "ppo_N2_tis_seed0"]
+    ran.clear()
+    assert commands.main([*argv, "--n", "1", "4", "--resume"]) == 0
+    assert ran == ["online_dpo_N4_seed0", "ppo_N4_none_seed0", "ppo_N4_tis_seed0"]
+    data = json.loads((tmp_path / "sweep.json").read_text())
+    assert data["reused_runs"] == 3 and data["kept_earlier_runs"] == 3 and len(data["commands"]) == 2
+    ns = sorted((r["algorithm"], r["correction"], r["value"]) for r in data["rows"] if r["knob"] == "N")
+    assert len(ns) == 9 and ("ppo", "tis", 2) in ns  # N=2 kept from the first invocation
+    assert "| ppo | tis | N=4 | 1 | 0.600 |" in (tmp_path / "sweep.md").read_text()
+
+
 def test_final_metric_averages_the_last_steps_that_logged_it():
     hist = [{"step": 0, "x": 1.0}, {"step": 1, "x": 2.0}, {"step": 2}, {"step": 3, "x": 4.0}, {"step": 4, "x": 6.0}]
     assert report.final_metric(hist, "x") == pytest.approx(4.0)
@@ -268,8 +319,9 @@ def test_final_metric_averages_the_last_steps_that_logged_it():
 def test_sweep_parser_takes_corrections_and_seeds():
     from megatron_async.bench.commands import build_parser
 
-    args = build_parser().parse_args(["sweep", "c.yaml", "--corrections", "none", "tis", "--seeds", "0", "1"])
-    assert args.corrections == ["none", "tis"] and args.seeds == [0, 1]
+    args = build_parser().parse_args(["sweep", "c.yaml", "--corrections", "none", "tis", "--seeds", "0", "1",
+                                      "--resume"])
+    assert args.corrections == ["none", "tis"] and args.seeds == [0, 1] and args.resume
     assert build_parser().parse_args(["sweep", "c.yaml"]).corrections == []
 
 

@@ -340,10 +340,25 @@ def bench_sweep(args) -> int:
     meta = {"command": "megatron-async bench " + " ".join(args.argv), "machine_start": started,
             "max_lag": args.max_lag, "steps": cfg.trainer.steps, "prompts_per_step": cfg.rollout.prompts_per_step,
             "k": cfg.rollout.k, "eval_size": cfg.data.eval_size, "planned_runs": len(plan)}
-    t0 = time.monotonic()
+    earlier = resumable_rows(out_dir / "sweep.json", meta) if args.resume else {}
+    if args.resume and (out_dir / "sweep.json").exists():
+        old = json.loads((out_dir / "sweep.json").read_text())
+        meta["commands"] = [*old.get("commands", [old["command"]]), meta["command"]]
+    planned = {sweep_key(item) for item in plan}
+    kept = [r for key, r in earlier.items() if key not in planned]  # earlier runs this plan does not hold
+    t0, reused = time.monotonic(), 0
+
+    def write(done: int, quiet: bool) -> None:
+        progress = {"machine_end": machine(), "finished_runs": done, "reused_runs": reused,
+                    "kept_earlier_runs": len(kept), "seconds": time.monotonic() - t0}
+        write_sweep(out_dir, with_base_rows([*rows, *kept], cfg.rollout.k), {**meta, **progress}, quiet=quiet)
     for i, item in enumerate(plan):
         name = item["name"]
         row = {k: v for k, v in item.items() if k not in ("overrides", "name")}
+        if sweep_key(row) in earlier:  # --resume: this run finished in an earlier invocation
+            rows.append(earlier[sweep_key(row)])
+            reused += 1
+            continue
         try:
             extra = [f"trainer.algorithm={item['algorithm']}", *item["overrides"]]
             run = run_training(args.config, [*base, *shared, *extra], out_dir / "runs", name,
@@ -359,10 +374,29 @@ def bench_sweep(args) -> int:
             row.update(status=f"failed: {str(e).splitlines()[0]}")
             print(e, file=sys.stderr)
         rows.append(row)
-        # after every run, so a sweep stopped early still leaves its table and plots
-        progress = {"machine_end": machine(), "finished_runs": i + 1, "seconds": time.monotonic() - t0}
-        write_sweep(out_dir, with_base_rows(rows, cfg.rollout.k), {**meta, **progress}, quiet=i + 1 < len(plan))
+        write(i + 1, quiet=True)  # after every run, so a sweep stopped early still leaves its table and plots
+    write(len(plan), quiet=False)
     return 0
+
+
+RESUME_MUST_MATCH = ("max_lag", "steps", "prompts_per_step", "k", "eval_size")
+
+
+def sweep_key(row: dict) -> tuple:
+    return row["algorithm"], row.get("correction", ""), row.get("seed"), row["knob"], row["value"]
+
+
+def resumable_rows(path: Path, meta: dict) -> dict[tuple, dict]:
+    """--resume: the finished runs (status ok, not a same_run_as copy) of an earlier sweep.json,
+    by sweep_key; none if there is none. An earlier sweep of other sizes is refused (BenchError)."""
+    if not path.exists():
+        return {}
+    earlier = json.loads(path.read_text())
+    differ = [f"{k} {earlier.get(k)} != {meta[k]}" for k in RESUME_MUST_MATCH if earlier.get(k) != meta[k]]
+    if differ:
+        raise BenchError(f"--resume: {path} is of another sweep ({', '.join(differ)}); use another --out-dir")
+    return {sweep_key(r): dict(r, resumed=True) for r in earlier["rows"]
+            if r.get("status") == "ok" and not r.get("same_run_as")}
 
 
 def with_base_rows(rows: list[dict], k: int) -> list[dict]:
@@ -506,6 +540,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(online_dpo and best_of_k_sft take none and run once); default: the config's")
     s.add_argument("--seeds", type=int, nargs="*", default=[],
                    help="run.seed of every run (the outer loop); default: the config's seed")
+    s.add_argument("--resume", action="store_true",
+                   help="reuse the finished runs of --out-dir's sweep.json (same sizes) and run only the rest")
     s.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     s.add_argument("--t", type=int, nargs="+", default=[1, 2, 4])
     s.add_argument("--k", type=int, nargs="+", default=[2, 4, 8])
