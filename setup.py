@@ -39,5 +39,9 @@ setup(
         "gpu": ["vllm==0.32.0"],
         "test": ["pytest", "pytest-timeout", "hypothesis"],
     },
-    entry_points={"console_scripts": ["megatron-async=megatron_async.cli:main"]},
+    entry_points={
+        "console_scripts": ["megatron-async=megatron_async.cli:main"],
+        # vLLM loads these in each of its processes: registers the `mas_cpu` weight-transfer engine
+        "vllm.general_plugins": ["megatron_async_weights=megatron_async.weights.vllm_plugin:register"],
+    },
 )

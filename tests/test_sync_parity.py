@@ -3,7 +3,7 @@ equal the learner's logprobs of the same tokens (fp32, max |diff| < 1e-3).
 
 Runs tests/dist/sync_parity_worker.py under torchrun on 2 ranks (gloo), with the learner at TP=1
 (x DP=2), TP=2 and PP=2, and an Adam step between syncs so the weights really change. Syncs
-alternate between the shared-memory and the socket transport. Models:
+alternate between the shared-memory and the inline-HTTP carrier, each a vLLM weight update. Models:
 GQA LLaMA, tied embeddings, llama3 RoPE scaling, Qwen2 (q/k/v biases).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ def test_vllm_logprobs_match_the_megatron_learner_after_every_sync(tmp_path):
     assert [(r["model"], r["tp"], r["pp"], r["round"]) for r in rows] == [
         (m, tp, pp, rnd) for m in MODELS for tp, pp in [(1, 1), (2, 1), (1, 2)] for rnd in range(3)
     ]
-    assert [r["transport"] for r in rows[:3]] == ["shm", "socket", "shm"]
+    assert [r["transport"] for r in rows[:3]] == ["shm", "http", "shm"]
     for r in rows:
         where = f"{r['model']} tp={r['tp']} pp={r['pp']} round {r['round']}"
         assert r["max_diff"] < 1e-3, f"{where} over {r['transport']}: vLLM vs learner logprobs differ by {r['max_diff']}"

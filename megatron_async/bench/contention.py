@@ -30,7 +30,6 @@ from megatron_async.bench.report import contention
 from megatron_async.cluster.cpu_affinity import pin_learner, replica_pin_env
 from megatron_async.io_utils import atomic_write_text
 from megatron_async.rollout import ReplicaPool, ReplicaSpec, Sampling
-from megatron_async.rollout.launcher import replica_env
 
 
 def _gen_loop(pool, prompts, sampling, seconds: float, out: dict) -> None:
@@ -62,7 +61,7 @@ def measure(model_dir: Path, learner_cpus: str, replica_cpus: str, seconds: floa
     prompts = [list(range(3 + i, 19 + i)) for i in range(16)]
     sampling = Sampling(n=4, max_tokens=32, ignore_eos=True, seed=0)
     spec = ReplicaSpec(model=str(model_dir), kv_cache_bytes=256 << 20, max_model_len=256)
-    env = {**replica_env(), **replica_pin_env(replica_cpus)}
+    env = replica_pin_env(replica_cpus)
     result = {"learner_cpus": learner_cpus, "replica_cpus": replica_cpus, "learner_pinned_to": mine,
               "seconds_per_phase": seconds, "train_batch": list(batch.shape),
               "generation": {"prompts": len(prompts), "n": sampling.n, "max_tokens": sampling.max_tokens}}

@@ -10,8 +10,8 @@ ranks with a *static* rendezvous (`--nnodes --node-rank --master-addr`), global 
   `placement.learner_gpus` for the learner ranks; other nodes give all their GPUs (or
   `learner_gpus`) to the learner, so node 0 may run fewer learner ranks (torchrun allows that).
 - Dedicated replica node (`placement.dedicated_replica_node: true`): node `replica_node` (any) runs
-  no learner ranks; `megatron-async serve-replicas` there starts its replicas on `replica_gpus`
-  (rollout/host.py) and rank 0's pool drives it at `rollout.host:placement.replica_server_port`.
+  no learner ranks; `megatron-async serve-replica CFG --index i` there runs replica i's vLLM server
+  on `replica_gpus` at `rollout.host:rollout.base_port + i`, and rank 0's pool uses those URLs.
   torchrun spans the other nnodes - 1 nodes: its --node-rank counts learner nodes only (placement
   node n > replica_node is torchrun node n - 1). Needs `rollout.token` (two processes share it).
 - `megatron-async placement --node-rank N` prints each node's `--nproc-per-node` (0 on a dedicated
@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 import torch
 
@@ -69,18 +70,14 @@ def check_static(cfg: Config) -> None:
         raise ConfigError(
             f"key 'placement.replica_node' = {p.replica_node}: must be 0 unless placement.dedicated_replica_node "
             "is true. Replicas on a learner node are subprocesses of global learner rank 0, which a static torchrun "
-            "rendezvous puts on node 0; a node that only hosts replicas runs `megatron-async serve-replicas`")
+            "rendezvous puts on node 0; a node that only hosts replicas runs `megatron-async serve-replica`")
     if p.dedicated_replica_node:
         if p.nnodes < 2:
             raise ConfigError(f"key 'placement.dedicated_replica_node' = True: needs placement.nnodes >= 2 "
                               f"(the replica node runs no learner ranks), got {p.nnodes}")
         if not r.token:
             raise ConfigError("key 'rollout.token' = '': a dedicated replica node needs the shared secret: learner rank "
-                              "0 and `serve-replicas` authenticate with it (set it or $MEGATRON_ASYNC_ROLLOUT_TOKEN)")
-        ports = range(r.base_port, r.base_port + r.num_replicas) if r.base_port else range(0)
-        if not 1024 <= p.replica_server_port <= 65535 or p.replica_server_port in ports:
-            raise ConfigError(f"key 'placement.replica_server_port' = {p.replica_server_port}: must be in [1024, 65535] "
-                              f"and not a replica port (rollout.base_port + i)")
+                              "0 and `serve-replica` authenticate with it (set it or $MEGATRON_ASYNC_ROLLOUT_TOKEN)")
     if p.gpus_per_node < 0:
         raise ConfigError(f"key 'placement.gpus_per_node' = {p.gpus_per_node}: must be >= 0 (0 = detect)")
     learner, replica = _ids(cfg, "learner_gpus"), _ids(cfg, "replica_gpus")
@@ -195,17 +192,6 @@ def _check_gpu_count(cfg: Config, gpus: int) -> None:
         raise ConfigError(f"key 'placement.gpus_per_node' = {cfg.placement.gpus_per_node}: this node sees {gpus} CUDA devices")
 
 
-def check_replica_host(cfg: Config) -> None:
-    """In `serve-replicas`, before starting anything: the config must describe a dedicated replica node."""
-    if not cfg.placement.dedicated_replica_node:
-        raise ConfigError("key 'placement.dedicated_replica_node' = False: serve-replicas runs on a dedicated replica "
-                          "node; without one, learner rank 0 starts the replicas itself")
-    gpus = _gpus()
-    if gpus:
-        _check_gpu_count(cfg, gpus)
-        node_layout(cfg, cfg.placement.replica_node, gpus)  # the replicas fit this node
-
-
 def learner_device_index(cfg: Config) -> int | None:
     """CUDA index for this learner rank (LOCAL_RANK-th learner GPU of its node); None on CPU."""
     gpus = _gpus()
@@ -225,9 +211,10 @@ def replica_devices(cfg: Config) -> list[str] | None:
     return [",".join(name(i) for i in ids) for ids in node_layout(cfg, cfg.placement.replica_node, gpus).replicas]
 
 
-def check_reachable(replica_machine: str, addresses: list) -> None:
-    """Every rank: loopback replica addresses are only reachable from the replicas' own machine."""
-    if socket.gethostname() != replica_machine and any(a[0] in LOOPBACK_HOSTS for a in addresses):
+def check_reachable(replica_machine: str, urls: list[str]) -> None:
+    """Every rank: loopback replica URLs are only reachable from the replicas' own machine."""
+    hosts = [urlparse(u).hostname for u in urls]
+    if socket.gethostname() != replica_machine and any(h in LOOPBACK_HOSTS for h in hosts):
         raise ConfigError(
-            f"key 'rollout.host' = {addresses[0][0]!r}: replicas on {replica_machine} bind to loopback, unreachable from "
+            f"key 'rollout.host' = {hosts[0]!r}: replicas on {replica_machine} listen on loopback, unreachable from "
             f"{socket.gethostname()}: set rollout.host to the replica node's address (and rollout.token)")

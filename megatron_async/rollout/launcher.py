@@ -1,13 +1,21 @@
-"""Where replica processes come from: `LocalLauncher` starts them as this process's children (for
-the pool, or for a replica host's `serve-replicas`), with the environment `replica_env` gives them.
+"""Replica servers on this machine: `LocalLauncher` starts, reports on and kills them.
 
-The pool (`pool.py`) supervises; a launcher only starts, reports, kills and shows logs. The
-remote counterpart, `host.RemoteLauncher`, has the same methods.
+Each replica's `vllm serve` runs under a small supervisor (`python -m megatron_async.rollout.launcher`,
+`main` below) in a session of its own, so the API server, vLLM's engine-core process and its
+workers form one process group:
+- `kill` signals the whole group: no engine process outlives its replica (a leftover engine on a
+  GPU holds its weights and KV cache and blocks the restart);
+- the supervisor watches the process that launched it and kills the group when that process is
+  gone (a SIGKILLed learner leaves no server behind; vLLM has no parent-death handling of its own).
+
+The pool (`pool.py`) supervises: failure budget, restarts, requeues, "stale until re-synced". A
+launcher only starts, reports, kills and shows logs. Servers started elsewhere (another node, a
+SLURM `srun` line) are given to the pool as `rollout.replica_urls` and need no launcher.
 """
 from __future__ import annotations
 
-import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,19 +23,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-import torch
-
-from megatron_async.rollout.replica import ReplicaSpec, launch_config
-
-
-def replica_env() -> dict[str, str]:
-    """Environment of replica processes: on CPU, vLLM in single-process mode (2 s start-up)."""
-    env = {}
-    if not torch.cuda.is_available():
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    return env
-
+from megatron_async.cluster.cpu_affinity import pin_replica_from_env
+from megatron_async.rollout.replica import ReplicaClient, ReplicaSpec, server_command, server_env
 
 TORCHRUN_VARS = {
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
@@ -39,86 +36,121 @@ class PoolError(RuntimeError):
     """The pool cannot go on: a replica failed too often, could not start, or no work finished in time."""
 
 
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 class LocalLauncher:
-    """Replica processes on this machine: the pool's own children, or a replica host's.
+    """Replica servers as this process's children; output in `log_dir/replica<i>.log`."""
 
-    Each gets its launch config (with the authkey) on stdin and reports its port through a ready
-    file; its output goes to `log_dir/replica<i>.log`.
-    """
-
-    def __init__(self, host: str, authkey: bytes, log_dir: Path, start_timeout_s: float,
-                 env: dict[str, str] | None = None, devices: Sequence[str] | None = None):
-        self.host, self.authkey, self.log_dir, self.start_timeout_s = host, authkey, Path(log_dir), start_timeout_s
+    def __init__(self, spec: ReplicaSpec, host: str, key: str, log_dir: Path, start_timeout_s: float,
+                 gpu: bool, env: dict[str, str] | None = None, devices: Sequence[str] | None = None):
+        self.spec, self.host, self.key, self.log_dir = spec, host, key, Path(log_dir)
+        self.start_timeout_s, self.gpu = start_timeout_s, gpu
         self.env, self.devices = dict(env or {}), devices
-        self.machine = socket.gethostname()  # where the replicas run (reachability checks)
         self._procs: dict[int, subprocess.Popen] = {}
 
-    def _paths(self, rid: int) -> tuple[Path, Path]:
-        return self.log_dir / f"replica{rid}.log", self.log_dir / f"replica{rid}.ready"
+    def log_path(self, rid: int) -> Path:
+        return self.log_dir / f"replica{rid}.log"
 
-    def start(self, spec: ReplicaSpec, rid: int, port: int) -> None:
-        log_path, ready = self._paths(rid)
+    def start(self, rid: int, port: int) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        ready.unlink(missing_ok=True)
         # NOTE: a pool owned by a torchrun rank must not hand its rendezvous variables (RANK,
-        # MASTER_PORT, ...) to the replica, whose vLLM sets up its own torch.distributed world.
+        # MASTER_PORT, ...) to the server, whose vLLM sets up its own torch.distributed world.
         env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
         env.update(self.env)
+        env.update(server_env(self.spec, self.key))
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.devices[rid]
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "megatron_async.rollout.replica"],
-                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
-            )
-        self._procs[rid] = proc
-        proc.stdin.write(launch_config(spec, rid, self.host, port, self.authkey, str(ready)).encode())
-        proc.stdin.close()
+        cmd = [sys.executable, "-m", "megatron_async.rollout.launcher", str(os.getpid()), "--",
+               *server_command(self.spec, self.host, port, self.gpu)]
+        with open(self.log_path(rid), "ab") as log:
+            self._procs[rid] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                                env=env, start_new_session=True)
 
-    def wait_ready(self, rid: int) -> tuple[int, int]:
-        """(port, pid) once replica `rid` serves; PoolError if it exits or times out while starting."""
-        proc, (_, ready) = self._procs[rid], self._paths(rid)
+    def wait_ready(self, rid: int, client: ReplicaClient) -> int:
+        """The supervisor's pid once replica `rid` answers /health; PoolError if it exits or times out."""
+        proc = self._procs[rid]
         deadline = time.monotonic() + self.start_timeout_s
-        while not ready.exists():
+        while not client.healthy():
             if proc.poll() is not None:
                 raise PoolError(f"replica {rid} exited with code {proc.returncode} while starting; {self.log_tail(rid)}")
             if time.monotonic() > deadline:
                 self.kill(rid)
                 raise PoolError(f"replica {rid} not ready after {self.start_timeout_s:.0f} s; {self.log_tail(rid)}")
-            time.sleep(0.1)
-        return int(json.loads(ready.read_text())["port"]), proc.pid
+            time.sleep(0.5)
+        return proc.pid
 
     def exit_code(self, rid: int) -> int | None:
-        """None while replica `rid`'s process runs."""
+        """None while replica `rid`'s supervisor runs."""
         return self._procs[rid].poll()
 
     def kill(self, rid: int, grace_s: float = 0.0) -> None:
-        """Give the process `grace_s` to exit (after a shutdown request), then terminate; 0 = SIGKILL now."""
+        """SIGTERM the replica's process group, SIGKILL what is left after `grace_s` (0 = SIGKILL now)."""
         proc = self._procs.get(rid)
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        if grace_s:
+        if grace_s and proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(grace_s)
-                return
-            except subprocess.TimeoutExpired:
-                proc.terminate()
-            try:
-                proc.wait(5.0)
-                return
             except subprocess.TimeoutExpired:
                 pass
-        proc.kill()
-        proc.wait(5.0)
+        _signal_group(proc.pid, signal.SIGKILL)  # the group may outlive its leader: always sweep it
+        try:
+            proc.wait(10.0)
+        except subprocess.TimeoutExpired:
+            pass
 
     def log_tail(self, rid: int, lines: int = 15) -> str:
-        log_path = self._paths(rid)[0]
         try:
-            tail = log_path.read_text(errors="replace").splitlines()[-lines:]
+            tail = self.log_path(rid).read_text(errors="replace").splitlines()[-lines:]
         except OSError:
             tail = []
-        return f"log {log_path}:\n" + "\n".join(tail)
+        return f"log {self.log_path(rid)}:\n" + "\n".join(tail)
 
     def close(self) -> None:
         for rid in self._procs:
             self.kill(rid)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def main() -> None:
+    """Supervisor: `python -m megatron_async.rollout.launcher PARENT_PID -- CMD...`.
+
+    Runs CMD (the server) in this session's process group and ends the whole group when CMD
+    exits, when SIGTERM arrives, or when PARENT_PID is no longer this process's parent. Pins
+    itself first to rollout.replica_cpus (cluster/cpu_affinity.py): the server's processes inherit it.
+    """
+    pin_replica_from_env()
+    parent, cmd = int(sys.argv[1]), sys.argv[sys.argv.index("--") + 1:]
+    child = subprocess.Popen(cmd)
+
+    def end_group(code: int) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _signal_group(0, signal.SIGTERM)  # the server shuts its engine down cleanly on SIGTERM
+        deadline = time.monotonic() + 10.0
+        while child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        _signal_group(0, signal.SIGKILL)  # ends this process too
+        os._exit(code)
+
+    signal.signal(signal.SIGTERM, lambda *_: end_group(143))
+    while True:
+        if (code := child.poll()) is not None:
+            end_group(code)
+        if os.getppid() != parent:
+            end_group(3)
+        time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,52 +1,65 @@
-"""ReplicaPool: N vLLM replica processes, their health, restarts, and load-aware dispatch.
+"""ReplicaPool: N vLLM API servers, their health, restarts, weight-update phases and dispatch.
 
     with ReplicaPool(ReplicaSpec(model=ckpt_dir), num_replicas=2) as pool:
         records = pool.generate(prompt_token_ids, Sampling(n=4, max_tokens=64, seed=0))
-        WeightSender(pool.addresses, pool.authkey).push(version, stage, num_stages, named_tensors)
 
-Dispatch: `generate` cuts the prompts into small chunks on one shared queue; one dispatcher
-thread per replica pulls the next chunk when its replica has finished the previous one, so a
-faster replica takes more chunks (load-aware, not round robin). Per-prompt seeds are
-`seed + prompt index * n` (vLLM seeds completion j of a prompt with its seed + j), so every
-completion has its own random stream, independent of which replica serves it.
+Where the servers come from: started here (`LocalLauncher`, one per replica, restarted on
+failure), or given as URLs (`urls=`, `rollout.replica_urls`: servers started by any launcher,
+e.g. an `srun` line; not restarted by us, re-synced when they answer again).
 
-Versions: every record carries the policy version the replica reported with its answer (read
-under the replica's engine lock, so it is the version that generated it). The pool's current
-version is the highest any replica has reported. A replica only takes work while it has complete
-weights of the current version ("fresh"); one that is behind is "stale" and waits for weights.
+Generation (`generate`): one `/inference/v1/generate` request per prompt (token ids in, K
+completions with token ids, logprobs and weight-version spans out), all of a batch in flight at
+once so vLLM batches continuously. Each request goes to the fresh replica with the fewest
+outstanding sequences, up to `max_inflight_seqs` per replica; the rest wait client-side and go
+out as completions return, so a faster replica takes more. Prompt i is seeded `seed + i * n`
+(vLLM seeds completion j with its seed + j): every completion has its own random stream,
+independent of which replica serves it, so a run is reproducible and resumable.
 
-Faults: a replica whose connection breaks or whose chunk exceeds `request_timeout_s` is killed
-and restarted; its in-flight chunk goes back on the queue (counted in `stats()["requeues"]`) and
-another replica takes it. A restarted replica comes back with its checkpoint's weights, so it is
-stale as soon as any update has happened; it rejoins only after the learner pushed the current
-weights to it (`replicas_needing_weights()` lists who needs them; the pool keeps no weight copy).
-The `max_failures + 1`-th failure of one replica raises `PoolError`. Every wait is bounded;
-a dispatcher thread's error is re-raised in the caller of `generate`.
+Versions: every completion carries the range of policy versions its tokens were sampled under
+(vLLM's `weight_versions` spans): `policy_version` is the oldest (the lag bound uses it),
+`policy_version_max` the newest. A replica takes work only while fresh: alive, with complete
+weights of the pool's current version.
 
-Where the processes run: a `LocalLauncher` starts them as this process's children; with
-`server=(host, port)` a replica host (`megatron-async serve-replicas`, rollout/host.py) on another
-machine starts them, and the pool drives it over TCP. Supervision (failure budget, restarts,
-requeues, "stale until re-synced") stays in the pool either way; the host only executes.
+Weight updates (`begin_update` / `finish_update`, called by learner rank 0 around the stage
+senders' buckets, weights/sync.py), in one of two modes:
+- "between_batches" (the paper's; the default): wait for the running `generate` to return,
+  hold new ones, `/pause?mode=wait` (caches cleared), `/start_weight_update` ... buckets ...
+  `/finish_weight_update` (sets `weight_version`), `/resume`; no completion spans two versions.
+- "during_generation" (PipelineRL's): `/pause?mode=keep` freezes running requests where they
+  are; after the update they go on under the new weights, and their spans show it. Prefix caching
+  is off in this mode (a cached prompt's KV would outlive its weights).
+A replica failing any phase is dropped from that update (not fresh until a later full one).
+
+Faults: a request whose connection breaks or that exceeds `request_timeout_s` goes back to the
+queue (`stats()["requeues"]`) and another replica takes it; its replica is marked down and,
+if started here, restarted in the background (killed as a process group first), up to
+`max_failures` times (then `PoolError`). A restarted replica holds its checkpoint's weights: it
+rejoins dispatch only after the learner pushed the current version to it
+(`replicas_needing_weights()`). While no replica is fresh, prompts wait; every wait is bounded.
 """
 from __future__ import annotations
 
+import asyncio
 import atexit
-import dataclasses
-import math
-import os
-import queue
+import collections
 import secrets
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Literal, Sequence
+
+import httpx
+import torch
 
 from megatron_async.config import LOOPBACK_HOSTS
-from megatron_async.rollout.host import RemoteLauncher
-from megatron_async.rollout.launcher import LocalLauncher, PoolError
-from megatron_async.rollout.replica import ReplicaClient, ReplicaError, ReplicaSpec, Sampling
+from megatron_async.rollout.launcher import LocalLauncher, PoolError, free_port
+from megatron_async.rollout.replica import ReplicaClient, ReplicaError, ReplicaSpec, Sampling, auth_headers, parse_version
+
+UpdateMode = Literal["between_batches", "during_generation"]
+GENERATE_ROUTE = "/inference/v1/generate"
 
 
 @dataclass(frozen=True)
@@ -57,104 +70,88 @@ class Completion:
     sample_index: int  # 0..n-1 among the prompt's completions
     prompt_token_ids: tuple[int, ...]
     token_ids: tuple[int, ...]  # completion tokens (a stop token id, if hit, is included)
-    logprobs: tuple[float, ...] | None  # log p(token) under the generating weights, per token
+    logprobs: tuple[float, ...] | None  # log p(token) under the weights that sampled it, per token
     finish_reason: str  # "stop" (eos / stop string / stop token) or "length"
     replica_id: int
-    policy_version: int  # version of the weights that generated it
+    policy_version: int  # the oldest version any of its tokens was sampled under
+    policy_version_max: int  # the newest (> policy_version only for updates during generation)
 
 
 @dataclass(frozen=True)
 class ReplicaInfo:
     replica_id: int
-    address: tuple[str, int]
-    pid: int
+    url: str
+    pid: int | None
     version: int
     weights_ok: bool
 
 
 class _Replica:
-    """Pool-side state of one replica (mutated by its dispatcher thread and the pool's methods)."""
+    """Pool-side state of one replica (guarded by the pool's lock)."""
 
-    def __init__(self, replica_id: int, port: int):
-        self.id, self.port = replica_id, port
+    def __init__(self, rid: int, url: str, client: ReplicaClient, port: int | None):
+        self.id, self.url, self.client, self.port = rid, url, client, port
         self.pid: int | None = None
-        self.incarnation = 0  # bumped per launch: a failure is acted on once per process
-        self.gen: ReplicaClient | None = None  # used by the dispatcher thread only
-        self.ctl: ReplicaClient | None = None  # health / version, under self.lock
+        self.up = False  # answering; False from a failure until restarted (or, for a URL, answering again)
         self.version = 0
-        self.weights_ok = True
+        self.weights_ok = True  # False after a failed update until a full one succeeds
+        self.inflight = 0  # sequences outstanding
         self.failures = 0
-        self.chunks = 0
-        # NOTE: held while restarting and while querying, so a health check never mistakes a
-        # replica that another thread is restarting for a dead one.
-        self.lock = threading.RLock()
-
-
-class _Job:
-    """One generate call: the chunk queue, the results, the first error."""
-
-    def __init__(self, chunks: list[list[int]], deadline: float):
-        self.queue: queue.Queue = queue.Queue()
-        for c in chunks:
-            self.queue.put(c)
-        self.remaining = len(chunks)
-        self.results: dict[int, tuple[int, int, list]] = {}  # prompt index -> (replica, version, outputs)
-        self.error: BaseException | None = None
-        self.stop = threading.Event()
-        self.lock = threading.Lock()
-        self.deadline = deadline
-
-    def done(self, chunk: list[int], replica_id: int, answer: dict) -> None:
-        with self.lock:
-            for i, outs in zip(chunk, answer["outputs"]):
-                self.results[i] = (replica_id, answer["version"], outs)
-            self.remaining -= 1
-            if self.remaining == 0:
-                self.stop.set()
-
-    def fail(self, error: BaseException) -> None:
-        with self.lock:
-            self.error = self.error or error
-        self.stop.set()
+        self.requests = 0
+        self.restarting = False
+        self.error = ""  # why its last restart or reconnect failed
 
 
 class ReplicaPool:
-    """Start, watch, restart and stop N replicas; dispatch generation over them."""
+    """Start (or connect to), watch, restart and stop N replicas; dispatch generation over them."""
 
     def __init__(
         self,
         spec: ReplicaSpec,
-        num_replicas: int,
+        num_replicas: int = 1,
         *,
+        urls: Sequence[str] = (),  # servers started elsewhere: used instead of starting num_replicas
         host: str = "127.0.0.1",
-        authkey: str | bytes | None = None,
-        base_port: int = 0,  # 0: each replica binds a free port once and keeps it across restarts
-        log_dir: str | os.PathLike | None = None,
+        key: str | None = None,
+        base_port: int = 0,  # 0: each replica gets a free port once and keeps it across restarts
+        log_dir: str | Path | None = None,
         start_timeout_s: float = 300.0,
-        request_timeout_s: float = 600.0,  # a chunk slower than this fails its replica
+        request_timeout_s: float = 600.0,  # a request slower than this fails its replica
         max_failures: int = 3,  # restarts allowed per replica
-        env: dict[str, str] | None = None,  # extra environment for the replica processes
+        max_inflight_seqs: int = 256,  # per replica (vLLM's default max_num_seqs)
+        env: dict[str, str] | None = None,  # extra environment of the servers started here
         devices: Sequence[str] | None = None,  # CUDA_VISIBLE_DEVICES per replica (GPU)
-        server: tuple[str, int] | None = None,  # a replica host (serve-replicas) starts them; None = here
     ):
-        if num_replicas < 1:
+        count = len(urls) or num_replicas
+        if count < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-        if host not in LOOPBACK_HOSTS and not authkey:
-            raise ValueError(f"refusing to bind replicas to non-loopback host {host!r} without an explicit authkey (rollout.token)")
-        if devices is not None and len(devices) != num_replicas:
-            raise ValueError(f"devices has {len(devices)} entries for {num_replicas} replicas")
-        if server is not None and (not authkey or env or devices is not None):
-            raise ValueError("a replica host needs the shared authkey (rollout.token) and sets env/devices itself")
-        self.spec, self.host, self.server = spec, host, server
-        self.authkey = (authkey.encode() if isinstance(authkey, str) else authkey) or secrets.token_bytes(32)
+        if host not in LOOPBACK_HOSTS and not key:
+            raise ValueError(f"refusing to serve replicas on non-loopback host {host!r} without an explicit key (rollout.token)")
+        if urls and not key:
+            raise ValueError("replica_urls: servers started elsewhere need the key they were started with (rollout.token)")
+        if devices is not None and len(devices) != count:
+            raise ValueError(f"devices has {len(devices)} entries for {count} replicas")
+        self.spec, self.key = spec, key or secrets.token_hex(32)
         self.start_timeout_s, self.request_timeout_s, self.max_failures = start_timeout_s, request_timeout_s, max_failures
+        self.max_inflight_seqs = max_inflight_seqs
         self.current_version = spec.initial_version
         self.requeues = 0
-        self._replicas = [_Replica(i, base_port + i if base_port else 0) for i in range(num_replicas)]
-        self._launcher: Any = None if server else LocalLauncher(
-            host, self.authkey, Path(log_dir or tempfile.mkdtemp(prefix="replicas-")), start_timeout_s, env, devices)
-        self._lock = threading.Lock()  # pool counters and versions
-        self._gen_lock = threading.Lock()  # one generate call at a time
+        gpu = torch.cuda.is_available()
+        self._launcher = None if urls else LocalLauncher(
+            spec, host, self.key, Path(log_dir or tempfile.mkdtemp(prefix="replicas-")), start_timeout_s, gpu, env, devices)
+        if urls:
+            addresses = [(u.rstrip("/"), None) for u in urls]
+        else:
+            ports = [base_port + i if base_port else free_port(host) for i in range(count)]
+            addresses = [(f"http://{host}:{p}", p) for p in ports]
+        self._replicas = [_Replica(i, url, ReplicaClient(url, self.key, timeout_s=30.0, label=f"replica {i}"), port)
+                          for i, (url, port) in enumerate(addresses)]
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)  # a replica became fresh, or an update ended
+        self._generating = False
+        self._update_open = False  # between begin_update and finish_update
+        self._restarts = ThreadPoolExecutor(max_workers=count, thread_name_prefix="replica-restart")
+        self._control = ThreadPoolExecutor(max_workers=count, thread_name_prefix="replica-control")
         self._started = False
 
     # -- life cycle -----------------------------------------------------------------------------
@@ -162,12 +159,11 @@ class ReplicaPool:
         atexit.register(self.stop)
         self._started = True
         try:
-            if self.server is not None:
-                self._launcher = RemoteLauncher(self.server, self.authkey, len(self._replicas), self.start_timeout_s)
+            if self._launcher is not None:
+                for rep in self._replicas:
+                    self._launcher.start(rep.id, rep.port)
             for rep in self._replicas:
-                self._launch(rep)
-            for rep in self._replicas:
-                self._wait_ready(rep)
+                self._came_up(rep)
         except BaseException:
             self.stop()
             raise
@@ -180,230 +176,286 @@ class ReplicaPool:
         self.stop()
 
     def stop(self) -> None:
-        """Shut every replica down (ask, then terminate, then kill); idempotent."""
+        """Stop every replica started here (SIGTERM, then SIGKILL of its process group); idempotent."""
         if not self._started:
             return
         self._started = False
         atexit.unregister(self.stop)
-        if self._launcher is None:  # the replica host never answered
-            return
-        try:
+        self._restarts.shutdown(wait=False, cancel_futures=True)
+        if self._launcher is not None:
             for rep in self._replicas:
-                if rep.pid is not None and self._launcher.exit_code(rep.id) is None and rep.ctl is not None:
-                    try:
-                        rep.ctl.call("shutdown", wait_s=5.0)
-                    except (ConnectionError, TimeoutError, ReplicaError):
-                        pass
-            for rep in self._replicas:
-                self._kill(rep, grace_s=10.0)
-        except PoolError as e:  # the replica host is gone, and its replicas with it
-            print(f"[pool] stop: {e}", flush=True)
-        self._launcher.close()
+                self._launcher.kill(rep.id, grace_s=10.0)
+        for rep in self._replicas:
+            rep.client.close()
 
-    def _launch(self, rep: _Replica) -> None:
-        self._launcher.start(self.spec, rep.id, rep.port)
-        rep.incarnation += 1
+    def _came_up(self, rep: _Replica) -> None:
+        """Wait until `rep` answers, then label its weights with the checkpoint's version."""
+        if self._launcher is not None:
+            rep.pid = self._launcher.wait_ready(rep.id, rep.client)
+        else:
+            deadline = time.monotonic() + self.start_timeout_s
+            while not rep.client.healthy():
+                if time.monotonic() > deadline:
+                    raise PoolError(f"replica {rep.id} at {rep.url} not answering after {self.start_timeout_s:.0f} s")
+                time.sleep(1.0)
+        version = rep.client.version(default=-1)
+        if version < 0:  # a fresh server: its weights are the checkpoint's
+            rep.client.set_version(self.spec.initial_version)
+            version = self.spec.initial_version
+        with self._changed:
+            rep.version, rep.weights_ok, rep.up, rep.restarting = version, True, True, False
+            self._changed.notify_all()
 
-    def _wait_ready(self, rep: _Replica) -> None:
-        rep.port, rep.pid = self._launcher.wait_ready(rep.id)
-        address = (self.host, rep.port)
-        rep.gen = ReplicaClient(address, self.authkey, timeout_s=60.0, label=f"replica {rep.id}")
-        rep.ctl = ReplicaClient(address, self.authkey, timeout_s=10.0, label=f"replica {rep.id}")
-        rep.version, rep.weights_ok = self.spec.initial_version, True
-
-    def _kill(self, rep: _Replica, grace_s: float = 0.0) -> None:
-        for client in (rep.gen, rep.ctl):
-            if client is not None:
-                client.abort()
-        self._launcher.kill(rep.id, grace_s)
-
-    def _restart(self, rep: _Replica, failed: int, reason: str) -> None:
-        """Replace incarnation `failed` by a new replica process (no-op if another thread already did)."""
-        with rep.lock:
-            if rep.incarnation != failed:
+    def _failed(self, rep: _Replica, reason: str) -> None:
+        """Take `rep` out of dispatch and (if started here) restart it in the background."""
+        with self._lock:
+            if not rep.up or rep.restarting:
                 return
-            self._restart_locked(rep, reason)
+            rep.up = False
+            rep.failures += 1
+            if self._launcher is None:
+                print(f"[pool] replica {rep.id} at {rep.url} failed: {reason}; waiting for it to answer again", flush=True)
+                rep.restarting = True
+                self._restarts.submit(self._reconnect, rep)
+                return
+            if rep.failures > self.max_failures:
+                return  # `_check_budget` raises in the caller
+            print(f"[pool] restarting replica {rep.id} (failure {rep.failures}/{self.max_failures}): {reason}", flush=True)
+            rep.restarting = True
+        self._restarts.submit(self._restart, rep)
 
-    def _restart_locked(self, rep: _Replica, reason: str) -> None:
-        rep.failures += 1
-        if rep.failures > self.max_failures:
-            raise PoolError(
-                f"replica {rep.id} failed {rep.failures} times (max_failures={self.max_failures}); "
-                f"last failure: {reason}; {self._log_tail(rep)}"
-            )
-        print(f"[pool] restarting replica {rep.id} (failure {rep.failures}/{self.max_failures}): {reason}", flush=True)
-        self._kill(rep)
-        self._launch(rep)
-        self._wait_ready(rep)
+    def _restart(self, rep: _Replica) -> None:
+        try:
+            self._launcher.kill(rep.id)
+            self._launcher.start(rep.id, rep.port)
+            self._came_up(rep)
+        except BaseException as e:  # noqa: BLE001 - counted as one more failure
+            with self._lock:
+                rep.restarting, rep.failures = False, max(rep.failures, self.max_failures + 1)
+                rep.error = f"restart failed: {e}"
 
-    def _log_tail(self, rep: _Replica) -> str:
-        return self._launcher.log_tail(rep.id)
+    def _reconnect(self, rep: _Replica) -> None:
+        try:
+            self._came_up(rep)
+        except BaseException as e:  # noqa: BLE001
+            with self._lock:
+                rep.restarting, rep.error = False, f"{rep.url} did not answer again: {e}"
+
+    def _check_budget(self) -> None:
+        for rep in self._replicas:
+            if rep.failures > self.max_failures or (not rep.up and not rep.restarting):
+                why = rep.error
+                tail = self._launcher.log_tail(rep.id) if self._launcher is not None else ""
+                raise PoolError(f"replica {rep.id} failed {rep.failures} times (max_failures={self.max_failures}) {why}; {tail}")
 
     # -- state ------------------------------------------------------------------------------------
     @property
-    def machine(self) -> str:
-        """Host name of the machine the replicas run on (loopback addresses work only there)."""
-        return self._launcher.machine
+    def urls(self) -> list[str]:
+        return [rep.url for rep in self._replicas]
 
-    @property
-    def addresses(self) -> list[tuple[str, int]]:
-        return [(self.host, rep.port) for rep in self._replicas]
-
-    def pids(self) -> list[int]:
+    def pids(self) -> list[int | None]:
         return [rep.pid for rep in self._replicas]
 
-    def _seen(self, rep: _Replica, status: dict) -> None:
-        with self._lock:
-            rep.version, rep.weights_ok = status["version"], status.get("weights_ok", True)
-            self.current_version = max(self.current_version, rep.version)
-
-    def _query(self, rep: _Replica) -> dict:
-        with rep.lock:
-            status = rep.ctl.call("health")
-        self._seen(rep, status)
-        return status
-
     def _fresh(self, rep: _Replica) -> bool:
-        if rep.weights_ok and rep.version >= self.current_version:
-            return True
-        self._query(rep)
-        return rep.weights_ok and rep.version >= self.current_version
+        return rep.up and rep.weights_ok and rep.version >= self.current_version
 
     def health_check(self) -> list[dict]:
-        """Query every replica, restarting dead or unresponsive ones; returns their status dicts."""
-        statuses = []
+        """Ask every replica that is up whether it still answers (a dead one is restarted); statuses."""
+        self._check_budget()
         for rep in self._replicas:
-            with rep.lock:
-                try:
-                    if (code := self._launcher.exit_code(rep.id)) is not None:
-                        raise ConnectionError(f"replica {rep.id} exited with code {code}")
-                    statuses.append(self._query(rep))
-                except (ConnectionError, TimeoutError) as e:
-                    self._restart_locked(rep, str(e))
-                    statuses.append(self._query(rep))
-        return statuses
+            if rep.up and not rep.client.healthy():
+                self._failed(rep, "not answering /health")
+        return [{"replica_id": r.id, "up": r.up, "version": r.version, "weights_ok": r.weights_ok} for r in self._replicas]
 
-    def weights_pushed(self, version: int) -> None:
-        """Record that `version` was pushed to the replicas (by a WeightSender, outside the pool).
+    def replicas_needing_weights(self, wait_s: float | None = None) -> list[ReplicaInfo]:
+        """Replicas that are up but behind the current version or hold weights of a failed update.
 
-        NOTE: the pool otherwise learns versions only from the replicas' answers. A replica that
-        restarts (back at its checkpoint's version) before any answer carried the pushed version
-        would count as fresh and generate with old weights; after this call it is stale.
-        """
-        with self._lock:
-            self.current_version = max(self.current_version, version)
-
-    def replicas_needing_weights(self) -> list[ReplicaInfo]:
-        """Replicas that are behind the current version or hold weights of a failed update.
-
-        Runs `health_check` first (so a dead replica is restarted and listed). The learner pushes
-        full weights to these addresses; each rejoins dispatch once it reports the current version.
+        Waits (up to `wait_s`, default the start timeout) for restarting replicas to come up,
+        so that the learner can push the current weights to them.
         """
         self.health_check()
-        return [
-            ReplicaInfo(rep.id, (self.host, rep.port), rep.pid, rep.version, rep.weights_ok)
-            for rep in self._replicas
-            if not rep.weights_ok or rep.version < self.current_version
-        ]
+        deadline = time.monotonic() + (self.start_timeout_s if wait_s is None else wait_s)
+        with self._changed:
+            while any(r.restarting for r in self._replicas) and time.monotonic() < deadline:
+                self._changed.wait(0.5)
+        self._check_budget()
+        return [ReplicaInfo(r.id, r.url, r.pid, r.version, r.weights_ok) for r in self._replicas
+                if r.up and (not r.weights_ok or r.version < self.current_version)]
+
+    def up(self, replica_ids: Sequence[int]) -> list[int]:
+        """Those of `replica_ids` that are up (answering, not restarting)."""
+        return [r.id for r in self._replicas if r.id in replica_ids and r.up]
 
     def stats(self) -> dict:
         return {
             "requeues": self.requeues,
-            "restarts": sum(rep.failures for rep in self._replicas),
-            "chunks_per_replica": [rep.chunks for rep in self._replicas],
+            "restarts": sum(r.failures for r in self._replicas) if self._launcher is not None else 0,
+            "requests_per_replica": [r.requests for r in self._replicas],
             "current_version": self.current_version,
         }
 
-    # -- generation -----------------------------------------------------------------------------
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        sampling: Sampling,
-        *,
-        chunk_size: int | None = None,
-        timeout_s: float | None = None,
-    ) -> list[Completion]:
-        """Generate `sampling.n` completions per prompt; records sorted by (prompt, sample) index.
+    # -- weight updates ---------------------------------------------------------------------------
+    def begin_update(self, replica_ids: Sequence[int] | None, mode: UpdateMode, timeout_s: float) -> list[int]:
+        """Pause the target replicas and open a weight update on each; returns those that opened.
 
-        Raises the first dispatcher error, `PoolError` when a replica exceeds `max_failures`, and
-        `TimeoutError` when the whole call exceeds `timeout_s` (default: 2 x request_timeout_s).
+        A full update (`replica_ids` None) "between_batches" first waits (up to `timeout_s`) for a
+        running `generate` to return; new ones wait until `finish_update`. (The producer already
+        pushes only between batches; this keeps the pool's own guarantee.) A re-sync of restarted
+        replicas never waits: they serve nothing until it ends.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            if mode == "between_batches" and replica_ids is None:
+                while self._generating:
+                    if not self._changed.wait(max(0.0, deadline - time.monotonic())):
+                        raise TimeoutError(f"weight update: generation still running after {timeout_s:.0f} s")
+            self._update_open = True
+            targets = [r for r in self._replicas if r.up and (replica_ids is None or r.id in replica_ids)]
+        pause = "wait" if mode == "between_batches" else "keep"
+
+        def open_one(rep: _Replica) -> None:
+            rep.client.pause(pause)
+            rep.client.start_weight_update()
+
+        return self._on_each(targets, open_one, "begin")
+
+    def finish_update(self, version: int, replica_ids: Sequence[int]) -> list[int]:
+        """Publish `version` on the replicas whose every stage arrived, resume them; returns those
+        that published. The others stay paused and not fresh until a later full update."""
+        targets = [r for r in self._replicas if r.id in replica_ids]
+
+        def finish_one(rep: _Replica) -> None:
+            rep.client.finish_weight_update(version)
+            rep.client.resume()
+            with self._lock:
+                rep.version, rep.weights_ok = version, True
+
+        with self._changed:
+            self.current_version = max(self.current_version, version)  # the others are stale from here
+        try:
+            return self._on_each(targets, finish_one, "finish")
+        finally:
+            with self._changed:
+                self._update_open = False
+                self._changed.notify_all()
+
+    def _on_each(self, targets: list[_Replica], action, phase: str) -> list[int]:
+        ok = []
+        futures = [(rep, self._control.submit(action, rep)) for rep in targets]
+        for rep, fut in futures:
+            try:
+                fut.result()
+                ok.append(rep.id)
+            except (ConnectionError, TimeoutError) as e:
+                self._failed(rep, f"weight update ({phase}): {e}")
+            except ReplicaError as e:
+                print(f"[pool] replica {rep.id} dropped from the weight update ({phase}): {e}", flush=True)
+                with self._lock:
+                    rep.weights_ok = False
+        return ok
+
+    # -- generation -----------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling, *, timeout_s: float | None = None) -> list[Completion]:
+        """`sampling.n` completions per prompt; records sorted by (prompt, sample) index.
+
+        Raises `PoolError` when a replica exceeds `max_failures`, `ReplicaError` for a request a
+        replica refuses as bad (e.g. a prompt longer than max_model_len), and `TimeoutError`
+        when the whole call exceeds `timeout_s` (default: 2 x request_timeout_s).
         """
         if not self._started:
             raise PoolError("pool is not started (use `with ReplicaPool(...)` or .start())")
         if not prompts:
             return []
-        if chunk_size is None:  # ~4 chunks per replica, capped, so faster replicas can take more
-            chunk_size = max(1, min(16, math.ceil(len(prompts) / (4 * len(self._replicas)))))
-        chunks = [list(range(i, min(i + chunk_size, len(prompts)))) for i in range(0, len(prompts), chunk_size)]
         timeout_s = 2 * self.request_timeout_s if timeout_s is None else timeout_s
-        with self._gen_lock:
-            job = _Job(chunks, time.monotonic() + timeout_s)
-            threads = [threading.Thread(target=self._dispatch, args=(rep, job, prompts, sampling), daemon=True) for rep in self._replicas]
-            for t in threads:
-                t.start()
-            while not job.stop.wait(0.1):
-                if time.monotonic() > job.deadline:
-                    job.fail(TimeoutError(
-                        f"generate: {job.remaining} of {len(chunks)} chunks unfinished after {timeout_s:.0f} s; "
-                        f"replica versions {[r.version for r in self._replicas]}, current {self.current_version}, "
-                        f"needing weights: {[r.id for r in self._replicas if not r.weights_ok or r.version < self.current_version]}"
-                    ))
-            if job.error is not None:
-                for rep in self._replicas:  # NOTE: wakes dispatchers blocked on an answer
-                    rep.gen.abort()
-            for t in threads:
-                t.join(timeout=self.start_timeout_s + 30.0)
-            if job.error is not None:
-                raise job.error
-        records = []
-        for i in range(len(prompts)):
-            replica_id, version, outs = job.results[i]
-            for j, o in enumerate(outs):
-                lps = None if o["logprobs"] is None else tuple(o["logprobs"])
-                records.append(Completion(i, j, tuple(prompts[i]), tuple(o["token_ids"]), lps, o["finish_reason"], replica_id, version))
-        return records
-
-    def _dispatch(self, rep: _Replica, job: _Job, prompts: Sequence[Sequence[int]], sampling: Sampling) -> None:
-        """Dispatcher thread of one replica: pull a chunk, generate, repeat; requeue on failure."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while self._generating or self._update_open:  # one call at a time; between-batch updates first
+                if not self._changed.wait(max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(f"generate: waited {timeout_s:.0f} s for a weight update or another generate call")
+            self._generating = True
         try:
-            while not job.stop.is_set():
-                incarnation = rep.incarnation
-                try:
-                    fresh = self._fresh(rep)
-                except (ConnectionError, TimeoutError) as e:
-                    self._restart(rep, incarnation, str(e))
-                    continue
-                if not fresh:
-                    job.stop.wait(0.25)
-                    continue
-                try:
-                    chunk = job.queue.get(timeout=0.1)
-                except queue.Empty:
-                    continue
-                per_prompt = [
-                    dataclasses.asdict(sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i * sampling.n))
-                    for i in chunk
-                ]
-                try:
-                    answer = rep.gen.call(
-                        "generate", prompts=[list(prompts[i]) for i in chunk], sampling=per_prompt,
-                        wait_s=self.request_timeout_s, hold_s=self.request_timeout_s / 2,
-                    )
-                except (ReplicaError, ConnectionError, TimeoutError) as e:
-                    if isinstance(e, ReplicaError) and e.kind != "stale":
-                        raise  # the request itself is bad (e.g. a prompt longer than max_model_len)
-                    job.queue.put(chunk)
+            return asyncio.run(self._generate(prompts, sampling, deadline, timeout_s))
+        finally:
+            with self._changed:
+                self._generating = False
+                self._changed.notify_all()
+
+    def _pick(self, n: int) -> _Replica | None:
+        """The fresh replica with the fewest outstanding sequences and room for `n` more."""
+        with self._lock:
+            fresh = [r for r in self._replicas if self._fresh(r) and (r.inflight == 0 or r.inflight + n <= self.max_inflight_seqs)]
+            if not fresh:
+                return None
+            rep = min(fresh, key=lambda r: r.inflight)
+            rep.inflight += n
+            return rep
+
+    async def _generate(self, prompts, sampling: Sampling, deadline: float, timeout_s: float) -> list[Completion]:
+        pending = collections.deque(range(len(prompts)))
+        results: dict[int, tuple[int, list[dict]]] = {}
+        running: dict[asyncio.Task, tuple[_Replica, int]] = {}
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(headers=auth_headers(self.key), timeout=self.request_timeout_s,
+                                     limits=limits, trust_env=False) as http:
+            try:
+                while len(results) < len(prompts):
+                    while pending and (rep := self._pick(sampling.n)) is not None:
+                        i = pending.popleft()
+                        seed = None if sampling.seed is None else sampling.seed + i * sampling.n
+                        body = {"token_ids": list(prompts[i]), "sampling_params": sampling.params(seed)}
+                        running[asyncio.ensure_future(http.post(rep.url + GENERATE_ROUTE, json=body))] = (rep, i)
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"generate: {len(prompts) - len(results)} of {len(prompts)} prompts unfinished after "
+                            f"{timeout_s:.0f} s; replicas {[(r.id, r.up, r.version) for r in self._replicas]}, "
+                            f"current version {self.current_version}")
+                    if not running:
+                        self._check_budget()
+                        await asyncio.sleep(0.25)  # no replica is fresh: wait for a restart or a weight push
+                        continue
+                    done, _ = await asyncio.wait(running, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        rep, i = running.pop(task)
+                        with self._lock:
+                            rep.inflight -= sampling.n
+                        error = self._outcome(task, rep)
+                        if error is None:
+                            results[i] = (rep.id, task.result().json()["choices"])
+                            rep.requests += 1
+                        else:
+                            pending.appendleft(i)
+                            self.requeues += 1
+                            self._failed(rep, error)
+            finally:
+                for task in running:
+                    task.cancel()
+                for rep, _ in running.values():
                     with self._lock:
-                        self.requeues += 1
-                    if job.stop.is_set():
-                        return
-                    if isinstance(e, ReplicaError):
-                        rep.weights_ok = False  # re-queried by _fresh before the next chunk
-                    else:
-                        self._restart(rep, incarnation, str(e))
-                    continue
-                self._seen(rep, answer)
-                rep.chunks += 1
-                job.done(chunk, rep.id, answer)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller of generate
-            job.fail(e)
+                        rep.inflight -= sampling.n
+        return [record for i in range(len(prompts)) for record in self._records(i, prompts[i], *results[i])]
+
+    def _outcome(self, task: asyncio.Task, rep: _Replica) -> str | None:
+        """None for an answer; the reason to requeue for a lost connection or a dead engine; raises
+        for a request the replica refuses (4xx: requeueing it would fail again)."""
+        if (e := task.exception()) is not None:
+            if isinstance(e, (httpx.TransportError, httpx.TimeoutException)):
+                return f"request failed: {e!r}"
+            raise e
+        r = task.result()
+        if r.status_code == 200:
+            return None
+        if 400 <= r.status_code < 500:
+            raise ReplicaError(f"replica {rep.id} refused a request ({r.status_code}): {r.text[:500]}", r.status_code)
+        return f"answered {r.status_code}: {r.text[:200]}"
+
+    def _records(self, i: int, prompt: Sequence[int], replica_id: int, choices: list[dict]) -> list[Completion]:
+        out = []
+        for choice in sorted(choices, key=lambda c: c["index"]):
+            tokens = tuple(choice["token_ids"])
+            content = (choice.get("logprobs") or {}).get("content")
+            lps = None if content is None else tuple(float(c["logprob"]) for c in content)
+            spans = choice.get("weight_versions") or [{"version": str(self.spec.initial_version)}]
+            versions = [parse_version(s["version"], self.spec.initial_version) for s in spans]
+            out.append(Completion(i, choice["index"], tuple(prompt), tokens, lps, choice.get("finish_reason") or "stop",
+                                  replica_id, min(versions), max(versions)))
+        return out

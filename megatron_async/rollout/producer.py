@@ -17,6 +17,12 @@ a batch is admitted under the lag in force when it starts and keeps the version 
 the batch in flight), so the learner never trains on data staler than the lag it was admitted
 under.
 
+With `updates_during_generation` (rollout.weight_update: during_generation) the learner does not
+wait for the batch in flight: the replicas take the new weights mid-batch (`/pause?mode=keep`),
+the batch's completions carry the versions they span, and its `policy_version` is the oldest
+(every token is at least as new as the version the batch was admitted under), so the lag bound
+still holds for every token.
+
 NOTE threads: the producer does light work only (send prompts to replica processes, wait, score
 exact-match rewards); generation runs in the replica processes, so it never competes with the
 learner for the GIL. Every wait has a timeout or a stop event; an exception in the thread is kept
@@ -42,7 +48,7 @@ class RolloutBatch:
     """One generation batch: prompts x K completions with rewards, as the learner receives it."""
 
     index: int  # learner step that trains on it
-    policy_version: int  # v(index): the weights the replicas held
+    policy_version: int  # the oldest weights any of its tokens was sampled under (>= v(index))
     problems: list  # data.problem.Problem per prompt
     completions: list  # per prompt: K completion records from the pool
     rewards: list  # per prompt: K floats, or None where scoring failed (never a silent 0)
@@ -67,9 +73,11 @@ class RolloutProducer:
     """
 
     def __init__(self, make_batch: Callable[[int], RolloutBatch], max_lag: int, last_batch: int,
-                 first_batch: int = 0, synced_version: int = 0, ready: list[RolloutBatch] = ()):
+                 first_batch: int = 0, synced_version: int = 0, ready: list[RolloutBatch] = (),
+                 updates_during_generation: bool = False):
         self.make_batch = make_batch
         self.max_lag = max_lag
+        self.updates_during_generation = updates_during_generation
         self.last_batch = last_batch  # the run's final batch: nothing is generated past it
         self._next = first_batch + len(ready)  # batches in `ready` came from a checkpoint
         self._synced = synced_version
@@ -114,10 +122,12 @@ class RolloutProducer:
 
     def old_weights_done(self, version: int) -> bool:
         """True when no batch that may use weights `version` is still to be generated: the learner
-        may push version + 1 (batches up to version + max_lag, and the one in flight)."""
+        may push version + 1 (batches up to version + max_lag, and the one in flight unless
+        updates during generation are on: it was admitted already and may take newer weights)."""
         with self._cond:
             self._raise_if_failed()
-            in_flight = self._in_flight is not None and self._in_flight <= version
+            in_flight = (self._in_flight is not None and self._in_flight <= version
+                         and not self.updates_during_generation)
             return not in_flight and self._next > min(version + self.max_lag, self.last_batch)
 
     def set_max_lag(self, max_lag: int) -> None:
@@ -160,7 +170,10 @@ class RolloutProducer:
                     assert version <= index, f"replicas hold v{version}, newer than batch {index}"
                 self.idle_seconds += time.monotonic() - t0 if index > 0 else 0.0
                 batch = self.make_batch(index)
-                batch.policy_version = version
+                if self.updates_during_generation:  # make_batch gives its completions' oldest version
+                    assert batch.policy_version >= version, f"batch {index}: tokens of v{batch.policy_version} < v{version}"
+                else:  # the replicas' weights never change under a running batch
+                    batch.policy_version = version
                 with self._cond:
                     self._ready[index] = batch
                     self._next = index + 1

@@ -29,7 +29,6 @@ from megatron_async.io_utils import atomic_write_text
 from megatron_async.models.base_model import load_tokenizer
 from megatron_async.rewards import extract_answer, make_scorer
 from megatron_async.rollout.build import replica_spec
-from megatron_async.rollout.launcher import replica_env
 from megatron_async.rollout.pool import ReplicaPool
 from megatron_async.rollout.replica import Sampling
 
@@ -39,7 +38,7 @@ log = logging.getLogger(__name__)
 EVAL_METRIC = {"gsm8k_exact_match": "pass@1", "reward_model": "rm_score"}  # reward.kind -> name
 
 
-EVAL_CHUNK = 64  # prompts per replica request (vLLM batches them) and per replica in a progress-bar tick
+EVAL_CHUNK = 64  # prompts in flight per replica per progress-bar tick (one request each; vLLM batches them)
 
 
 def _verdict(reward_kind: str, score) -> str:
@@ -58,7 +57,7 @@ def greedy_eval(pool, tokenizer, prompts, scorer, reward_kind: str, max_new_toke
 
     Returns {"metric": name, name: mean reward, "n", "scored", "errors", "timeouts", "results"};
     under on_error="stop" a sample that cannot be scored raises instead. `progress`: a tqdm bar
-    over chunks of EVAL_CHUNK prompts per replica, each replica request one chunk.
+    over chunks of EVAL_CHUNK prompts per replica.
     """
     sampling = Sampling(n=1, temperature=0.0, max_tokens=max_new_tokens, stop=tuple(stop), logprobs=False)
     step = EVAL_CHUNK * max(1, len(pool.pids()))
@@ -66,7 +65,7 @@ def greedy_eval(pool, tokenizer, prompts, scorer, reward_kind: str, max_new_toke
     with tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not progress, mininterval=5) as bar:
         for start in range(0, len(prompts), step):
             chunk = prompts[start:start + step]
-            records += pool.generate([p.ids for p in chunk], sampling, chunk_size=EVAL_CHUNK)
+            records += pool.generate([p.ids for p in chunk], sampling)
             bar.update(len(chunk))
     texts = [tokenizer.decode(rec.token_ids, skip_special_tokens=True) for rec in records]
     report = scorer.score(list(prompts), texts, [p.problem.answer for p in prompts], on_error)
@@ -95,8 +94,7 @@ def main(cfg, checkpoint: str | None = None, data: str | None = None, output: st
     r = cfg.rollout
     scorer = make_scorer(cfg.reward)
     try:
-        with ReplicaPool(replica_spec(cfg, model), r.num_replicas, host=r.host, authkey=r.token or None,
-                         env=replica_env()) as pool:
+        with ReplicaPool(replica_spec(cfg, model), r.num_replicas, host=r.host, key=r.token or None) as pool:
             result = greedy_eval(pool, tokenizer, prompts, scorer, cfg.reward.kind, r.max_new_tokens, r.stop,
                                  cfg.reward.on_error, progress=True, desc=f"eval {model.name}")
     finally:

@@ -40,6 +40,7 @@ def poison_loss_at(step: int, loss_fn):
     return nan_loss
 
 
-def kill_replica_during(batch_index: int, replica_pid: int, delay_s: float = 0.3) -> None:
+def kill_replica_during(batch_index: int, replica_pgid: int, delay_s: float = 0.3) -> None:
+    """SIGKILL replica 0's whole process group (its vLLM server, engine core and workers)."""
     if os.environ.get(KILL_REPLICA_AT_BATCH) == str(batch_index):
-        threading.Timer(delay_s, os.kill, (replica_pid, signal.SIGKILL)).start()
+        threading.Timer(delay_s, os.killpg, (replica_pgid, signal.SIGKILL)).start()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,8 +35,6 @@ from megatron_async.run.auto_balance import AutoBalance
 from megatron_async.run.evaluate import EVAL_METRIC, greedy_eval
 
 log = logging.getLogger(__name__)
-
-GEN_CHUNK_SEQS = 64  # sequences per replica request in training generation, at least (make_batch)
 
 @dataclass
 class RolloutState:
@@ -65,8 +62,7 @@ class RolloutState:
         prompts = PromptIterator(train, seed=cfg.run.seed)
         scorer = make_scorer(cfg.reward)  # a reward model's worker process starts here
         pool = start_pool(cfg, init_model)
-        log.info("replicas on %s: %s (pids %s)", pool.machine, ", ".join(f"{h}:{p}" for h, p in pool.addresses),
-                 pool.pids())
+        log.info("replicas: %s (pids %s)", ", ".join(pool.urls), pool.pids())
         adaptive = AdaptiveLag(cfg.rollout.lag_kl_target, cfg.rollout.lag_cap) if cfg.rollout.max_lag == "auto" else None
         return cls(cfg, tokenizer, prompts, eval_prompts, scorer, pool, data_state=prompts.state_dict(),
                    adaptive_lag=adaptive, balance=AutoBalance(cfg.trainer.updates_per_batch, cfg.rollout.k,
@@ -84,7 +80,8 @@ class RolloutState:
         lag = self.cfg.rollout.max_lag if self.adaptive_lag is None else self.adaptive_lag.lag
         self.producer = RolloutProducer(self.make_batch, lag, last_batch=self.cfg.trainer.steps - 1,
                                         first_batch=first_batch, synced_version=first_batch,
-                                        ready=self.resumed_buffer).start()
+                                        ready=self.resumed_buffer,
+                                        updates_during_generation=self.cfg.rollout.weight_update == "during_generation").start()
         return self.producer
 
     # -- the producer thread's work ----------------------------------------------------------------
@@ -98,14 +95,7 @@ class RolloutState:
                             stop=tuple(r.stop), seed=self.cfg.run.seed * 1_000_003 + index * 10_007)
         t0 = time.monotonic()
         faults.kill_replica_during(index, self.pool.pids()[0])
-        # At least GEN_CHUNK_SEQS sequences per replica request where the batch has them: the
-        # pool's default (~4 chunks per replica) sends 16-sequence requests for 8 prompts x K=8,
-        # which vLLM on CPU runs at half the speed of one 64-sequence batch (per-prompt seeds: the
-        # samples do not depend on the chunking).
-        replicas = max(1, len(self.pool.pids()))
-        chunk = max(min(16, math.ceil(len(prompts) / (4 * replicas))),
-                    min(math.ceil(GEN_CHUNK_SEQS / k), math.ceil(len(prompts) / replicas)))
-        records = self.pool.generate([p.ids for p in prompts], sampling, chunk_size=max(1, chunk))
+        records = self.pool.generate([p.ids for p in prompts], sampling)
         gen_seconds = time.monotonic() - t0
         t0 = time.monotonic()
         completions = [records[i * k:(i + 1) * k] for i in range(len(prompts))]
@@ -114,7 +104,7 @@ class RolloutState:
                                    [prompts[c.prompt_index].problem.answer for c in records], self.cfg.reward.on_error)
         scores = [s.reward if s.ok else None for s in report.scores]
         rewards = [scores[i * k:(i + 1) * k] for i in range(len(prompts))]
-        return RolloutBatch(index=index, policy_version=-1, problems=[p.problem for p in prompts],
+        return RolloutBatch(index=index, policy_version=min(c.policy_version for c in records), problems=[p.problem for p in prompts],
                             completions=completions, rewards=rewards, reward_errors=report.n_errors,
                             reward_timeouts=report.n_timeouts, gen_seconds=gen_seconds,
                             score_seconds=time.monotonic() - t0, data_state=data_state)
@@ -150,7 +140,7 @@ class RolloutState:
         pool = self.pool.stats()
         metrics.update({"rollout/prompts": float(len(batch.completions)),
                         "rollout/samples": float(sum(len(cs) for cs in batch.completions)),
-                        "rollout/requeued_chunks": float(pool["requeues"]),
+                        "rollout/requeued_requests": float(pool["requeues"]),
                         "rollout/replica_restarts": float(pool["restarts"]),
                         "reward/mean": mean, "reward/std": std, "reward/errors": float(batch.reward_errors),
                         "reward/timeouts": float(batch.reward_timeouts),

@@ -1,3 +1,4 @@
-"""Weight sync, learner -> replicas: per pipeline stage, TP-gathered HF tensors (`learner.mapping`)
-in size-capped buckets (`buckets`) over a transport (`shm` on this host, the control socket, or
-`nccl`), driven by `sync.WeightSender`."""
+"""Weight sync, learner -> replicas, through vLLM's weight-transfer API: per pipeline stage,
+TP-gathered HF tensors (`learner.mapping`) in size-capped buckets (`buckets`), streamed by
+`sync.WeightSender` into the `mas_cpu` engine (`cpu_engine`, registered by `vllm_plugin`) by shared
+memory (`shm`) on this host or inline over HTTP."""

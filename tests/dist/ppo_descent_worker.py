@@ -62,7 +62,7 @@ if __name__ == "__main__":
         mbs = learner.algorithm.microbatches(samples, pad_id=0, micro_batch_size=len(samples))
         gen = compute_logprobs(learner.reference, mbs)[0]  # [rows, s], 0 off the completion tokens
         completions = [[Completion(prompt_index=s.prompt_index, sample_index=i % 2, prompt_token_ids=tuple(s.prompt_ids),
-                                   token_ids=tuple(s.completion_ids), replica_id=0, policy_version=0, finish_reason="stop",
+                                   token_ids=tuple(s.completion_ids), replica_id=0, policy_version=0, policy_version_max=0, finish_reason="stop",
                                    logprobs=tuple(gen[i, len(s.prompt_ids):len(s.prompt_ids) + len(s.completion_ids)].tolist()))
                         for i, s in enumerate(samples) if s.prompt_index == prompt] for prompt in range(4)]
         batch = RolloutBatch(index=0, policy_version=0, problems=[None] * 4, completions=completions,

@@ -2,18 +2,20 @@
 
     python -m torch.distributed.run --nproc-per-node 2 tests/dist/sync_parity_worker.py OUT MODEL_DIR...
 
-Per model, rank 0 starts a one-replica ReplicaPool (as the trainer's driver rank would) and
-broadcasts its addresses and authkey. Then, for each layout TP=1 (x DP=2), TP=2 and PP=2, the
+Rank 0 starts a one-replica ReplicaPool per model (as the trainer's driver rank would; all at
+once, their ~30 s start-ups overlap) and broadcasts their URLs and keys. Then, for each layout TP=1 (x DP=2), TP=2 and PP=2, the
 learner is built from the HF checkpoint and runs ROUNDS rounds of: (from round 1 on) one Adam
-step, so the weights really change -> every stage's source rank pushes `iter_hf_weights` with a
-WeightSender, over shared memory in rounds 0 and 2 and over the socket in round 1 (the other ranks
-iterate along for the gathers) -> rank 0 samples from vLLM ->
+step, so the weights really change -> rank 0 opens a vLLM weight update (`pool.begin_update`), every
+stage's source rank pushes `iter_hf_weights` with a WeightSender, over shared memory in rounds 0
+and 2 and inline over HTTP in round 1 (the other ranks iterate along for the gathers), rank 0
+publishes the version (`pool.finish_update`) -> rank 0 samples from vLLM ->
 every rank computes the learner's logprobs of the sampled tokens. Rank 0 writes OUT/parity.json:
 one row per (model, layout, round) with vLLM-vs-learner max |diff|, how much the step moved the
 previous round's logprobs, and how many replicas published the version.
 """
 import argparse
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -21,7 +23,7 @@ import torch.distributed as dist
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (tp, pp) on 2 ranks
 ROUNDS = 3
-TRANSPORTS = ("shm", "socket", "shm")  # per round
+TRANSPORTS = ("shm", "http", "shm")  # per round
 PROMPT_LEN, NEW_TOKENS, N = 4, 12, 2
 
 
@@ -37,7 +39,7 @@ def microbatch(sequences: list[list[int]]) -> dict:
     return {"input_ids": ids, "loss_mask": mask}
 
 
-def run_layout(model_dir: Path, tp: int, pp: int, pool, addresses, authkey, first_version: int) -> list[dict]:
+def run_layout(model_dir: Path, tp: int, pp: int, pool, urls, key, first_version: int) -> list[dict]:
     from megatron.core import parallel_state as ps
 
     from megatron_async.learner.logprobs import compute_logprobs
@@ -53,7 +55,7 @@ def run_layout(model_dir: Path, tp: int, pp: int, pool, addresses, authkey, firs
     load_hf_weights(chunks, model_dir)
     ddp, opt, sched = build_optimizer(chunks, OptimSettings(lr=1e-2, clip_grad=1.0))
     source = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-    senders = {t: WeightSender(addresses, authkey, timeout_s=60, bucket_bytes=256 << 10, transport=t)
+    senders = {t: WeightSender(urls, key, timeout_s=60, bucket_bytes=256 << 10, transport=t)
                for t in set(TRANSPORTS)} if source else {}
     vocab = chunks[0].arch.vocab_size
     g = torch.Generator().manual_seed(first_version)
@@ -63,24 +65,27 @@ def run_layout(model_dir: Path, tp: int, pp: int, pool, addresses, authkey, firs
         version = first_version + rnd
         if rnd:
             train_step(ddp, opt, sched, [microbatch(torch.randint(3, vocab, (4, PROMPT_LEN + NEW_TOKENS), generator=g).tolist())], nll)
+        opened = [pool.begin_update(None, "between_batches", 60) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(opened, src=0)
         named = iter_hf_weights(ddp)
         if source:
-            sync = senders[TRANSPORTS[rnd]].push(version, ps.get_pipeline_model_parallel_rank(), pp, named)
+            sync = senders[TRANSPORTS[rnd]].push(named)
         else:
             sync = {}
             for _ in named:  # no-op loop on non-source ranks; they take part in the TP gathers
                 pass
-        dist.barrier()
-        payload = [None]
+        failed = [None] * dist.get_world_size()
+        dist.all_gather_object(failed, sorted(sync.get("failed", {})))
+        payload, published = [None], [0]
         if dist.get_rank() == 0:
+            published = [len(pool.finish_update(version, opened[0] if not any(failed) else []))]
             records = pool.generate(prompts, Sampling(n=N, max_tokens=NEW_TOKENS, ignore_eos=True, seed=rnd))
             payload = [[(list(r.prompt_token_ids) + list(r.token_ids), list(r.logprobs), r.policy_version) for r in records]]
         dist.broadcast_object_list(payload, src=0)
+        dist.broadcast_object_list(published, src=0)
         seqs = [s for s, _, _ in payload[0]]
         vllm_lp = torch.tensor([lp for _, lp, _ in payload[0]])
         learner_lp = compute_logprobs(ddp, [microbatch(seqs)])[0][:, PROMPT_LEN:]
-        published = torch.tensor([float(sync.get("completed", 0))])
-        dist.all_reduce(published)  # replicas that published `version`: only the last stage to end does
         moved = None
         if prev is not None:  # the step changed the policy: previous tokens' logprobs moved
             moved = (compute_logprobs(ddp, [microbatch(prev[0])])[0][:, PROMPT_LEN:] - prev[1]).abs().max().item()
@@ -89,7 +94,7 @@ def run_layout(model_dir: Path, tp: int, pp: int, pool, addresses, authkey, firs
             "model": model_dir.name, "tp": tp, "pp": pp, "round": rnd, "version": version,
             "record_versions": sorted({v for _, _, v in payload[0]}), "records": len(seqs),
             "max_diff": (learner_lp - vllm_lp).abs().max().item(), "moved": moved,
-            "published": int(published.item()), "buckets": sync.get("buckets"), "transport": TRANSPORTS[rnd],
+            "published": published[0], "buckets": sync.get("buckets"), "transport": TRANSPORTS[rnd],
         })
     for sender in senders.values():
         sender.close()
@@ -112,19 +117,22 @@ def main():
     ps.destroy_model_parallel()
     rows = []
     try:
-        for model_dir in a.models:
-            pool, info = None, [None, None]
-            if dist.get_rank() == 0:
-                pool = ReplicaPool(ReplicaSpec(model=str(model_dir), kv_cache_bytes=64 << 20, max_model_len=256), 1,
-                                   log_dir=a.out / f"logs-{model_dir.name}").start()
-                info = [pool.addresses, pool.authkey]
-            dist.broadcast_object_list(info, src=0)
-            try:
+        pools = {}
+        if dist.get_rank() == 0:
+            pools = {m: ReplicaPool(ReplicaSpec(model=str(m), kv_cache_bytes=64 << 20, max_model_len=256), 1,
+                                    log_dir=a.out / f"logs-{m.name}") for m in a.models}
+            with ThreadPoolExecutor(len(pools)) as ex:
+                list(ex.map(ReplicaPool.start, pools.values()))
+        info = [{m: (p.urls, p.key) for m, p in pools.items()}]
+        dist.broadcast_object_list(info, src=0)
+        try:
+            for model_dir in a.models:
+                urls, key = info[0][model_dir]
                 for i, (tp, pp) in enumerate(LAYOUTS):
-                    rows += run_layout(model_dir, tp, pp, pool, info[0], info[1], first_version=1 + i * ROUNDS)
-            finally:
-                if pool is not None:
-                    pool.stop()
+                    rows += run_layout(model_dir, tp, pp, pools.get(model_dir), urls, key, first_version=1 + i * ROUNDS)
+        finally:
+            for pool in pools.values():
+                pool.stop()
         if dist.get_rank() == 0:
             a.out.mkdir(parents=True, exist_ok=True)
             (a.out / "parity.json").write_text(json.dumps(rows, indent=1))
