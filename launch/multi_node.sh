@@ -7,9 +7,11 @@
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 MASTER_PORT=29500 bash launch/multi_node.sh CONFIG [overrides]
 #
 # With a dedicated replica node (placement.dedicated_replica_node=true placement.replica_node=R)
-# node R runs `megatron-async serve-replicas` instead of torchrun (`megatron-async placement` gives
-# it NPROC_PER_NODE=0), and torchrun spans the other NNODES - 1 nodes; MASTER_ADDR is then the
-# first learner node (node 0, or node 1 if R = 0).
+# node R runs no torchrun (`megatron-async placement` gives it NPROC_PER_NODE=0) but one
+# `megatron-async serve-replica --index i` per replica: replica i's vLLM server on its own GPUs at
+# REPLICA_HOST:REPLICA_BASE_PORT + i, which learner rank 0 uses as its replicas' URLs. torchrun
+# spans the other NNODES - 1 nodes; MASTER_ADDR is then the first learner node (node 0, or node 1
+# if R = 0).
 #
 # Variables:
 #   NNODES        nodes in the job (= placement.nnodes; passed on as that override)
@@ -21,8 +23,8 @@
 #                 when a weight-sync sender (one per pipeline stage) runs on another node, always
 #                 with a dedicated replica node; `megatron-async placement` says so. Then
 #                 MEGATRON_ASYNC_ROLLOUT_TOKEN must hold the shared secret (same on all nodes).
-#   REPLICA_BASE_PORT  fixed ports for the replicas (-> rollout.base_port) when a firewall needs them
-#   REPLICA_SERVER_PORT  the serve-replicas control port (-> placement.replica_server_port, default 29510)
+#   REPLICA_BASE_PORT  replica i listens on this + i (-> rollout.base_port): required with a
+#                 dedicated replica node, else only when a firewall needs fixed ports
 #   GPUS_PER_NODE default: the GPUs this node shows
 #
 # Rendezvous: static (--node-rank, --master-addr/--master-port), not c10d. The first learner node
@@ -42,17 +44,27 @@ GPUS=${GPUS_PER_NODE:-$(gpus_on_node)}
 ARGS=("$CONFIG" "placement.nnodes=$NNODES" "placement.gpus_per_node=$GPUS")
 [[ -n ${REPLICA_HOST:-} ]] && ARGS+=("rollout.host=$REPLICA_HOST")
 [[ -n ${REPLICA_BASE_PORT:-} ]] && ARGS+=("rollout.base_port=$REPLICA_BASE_PORT")
-[[ -n ${REPLICA_SERVER_PORT:-} ]] && ARGS+=("placement.replica_server_port=$REPLICA_SERVER_PORT")
 ARGS+=("$@")
-# NPROC_PER_NODE, LEARNER_GPUS, REPLICA_GPUS, WORLD_SIZE, TORCHRUN_NNODES, TORCHRUN_NODE_RANK
+# NPROC_PER_NODE, LEARNER_GPUS, REPLICA_GPUS, WORLD_SIZE, TORCHRUN_NNODES, TORCHRUN_NODE_RANK, NUM_REPLICAS
 load_placement "$NODE_RANK" "${ARGS[@]}"
 echo "[multi_node] node $NODE_RANK/$NNODES ($(hostname)): $NPROC_PER_NODE learner ranks on GPUs $LEARNER_GPUS;" \
      "replica GPUs: ${REPLICA_GPUS:-none}; $WORLD_SIZE learner ranks in the job"
 
 if [[ $NPROC_PER_NODE == 0 ]]; then
-    # A dedicated replica node: start the replicas and serve learner rank 0's pool; exits when the
-    # learner's session ends (or, under srun --kill-on-bad-exit, takes the job down if it fails).
-    exec .venv/bin/megatron-async serve-replicas "${ARGS[@]}"
+    # A dedicated replica node: every replica's server in the background (each takes its own GPUs
+    # from the placement), then wait for all (non-zero if any failed). They serve the base model
+    # until the learner pushes its weights, and outlive the learner: stop them with SIGTERM (passed
+    # on to every server), or let srun --wait end them (the SLURM scripts).
+    pids=()
+    trap 'kill -TERM "${pids[@]}" 2>/dev/null' INT TERM
+    for ((i = 0; i < NUM_REPLICAS; i++)); do
+        .venv/bin/megatron-async serve-replica "${ARGS[@]}" --index "$i" &
+        pids+=($!)
+    done
+    rc=0
+    for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+    wait  # after a signal: until every server has stopped
+    exit "$rc"
 fi
 exec .venv/bin/python -m torch.distributed.run --nnodes="$TORCHRUN_NNODES" --node-rank="$TORCHRUN_NODE_RANK" \
     --nproc-per-node="$NPROC_PER_NODE" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
