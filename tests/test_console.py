@@ -100,8 +100,8 @@ class _FakePool:
     def pids(self):
         return [1]
 
-    def generate(self, prompts, sampling, chunk_size=None):
-        self.calls.append((len(prompts), chunk_size))
+    def generate(self, prompts, sampling):
+        self.calls.append(len(prompts))
         return [_Record([ord(c) for c in self.answers[p[0]]]) for p in prompts]
 
 
@@ -121,7 +121,7 @@ def test_greedy_eval_lists_each_completion_and_verdict(capsys):
     pool = _FakePool(answers)
     result = greedy_eval(pool, _CharTokenizer(), prompts, ExactMatchScorer(), "gsm8k_exact_match", 16,
                          progress=True, desc="eval test")
-    assert pool.calls == [(EVAL_CHUNK, EVAL_CHUNK), (6, EVAL_CHUNK)]  # chunks: the progress bar's ticks
+    assert pool.calls == [EVAL_CHUNK, 6]  # chunks: the progress bar's ticks
     assert "eval test" in capsys.readouterr().err  # the bar
     first, second = result["results"][:2]
     assert first == {"id": "test:0", "question": "q0?", "reference": "0", "completion": "maybe 1", "extracted": "1",
