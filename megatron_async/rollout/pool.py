@@ -188,22 +188,28 @@ class ReplicaPool:
         for rep in self._replicas:
             rep.client.close()
 
-    def _came_up(self, rep: _Replica) -> None:
-        """Wait until `rep` answers, then label its weights with the checkpoint's version."""
+    def _came_up(self, rep: _Replica, rejoined: bool = False) -> None:
+        """Wait until `rep` answers, then label its weights with the checkpoint's version.
+
+        `rejoined`: a server started elsewhere answering again after a failure. If it restarted
+        (no version set), it holds whatever its launcher loaded (e.g. the base model, not
+        `spec.model`): not fresh until the learner pushed the current weights to it."""
         if self._launcher is not None:
             rep.pid = self._launcher.wait_ready(rep.id, rep.client)
         else:
             deadline = time.monotonic() + self.start_timeout_s
             while not rep.client.healthy():
-                if time.monotonic() > deadline:
-                    raise PoolError(f"replica {rep.id} at {rep.url} not answering after {self.start_timeout_s:.0f} s")
+                if time.monotonic() > deadline or not self._started:
+                    raise PoolError(f"replica {rep.id} at {rep.url} not answering after {self.start_timeout_s:.0f} s"
+                                    if self._started else "pool stopped")
                 time.sleep(1.0)
         version = rep.client.version(default=-1)
-        if version < 0:  # a fresh server: its weights are the checkpoint's
+        restarted = version < 0
+        if restarted:  # a fresh server: its weights are the checkpoint's
             rep.client.set_version(self.spec.initial_version)
             version = self.spec.initial_version
         with self._changed:
-            rep.version, rep.weights_ok, rep.up, rep.restarting = version, True, True, False
+            rep.version, rep.weights_ok, rep.up, rep.restarting = version, not (rejoined and restarted), True, False
             self._changed.notify_all()
 
     def _failed(self, rep: _Replica, reason: str) -> None:
@@ -213,13 +219,13 @@ class ReplicaPool:
                 return
             rep.up = False
             rep.failures += 1
+            if rep.failures > self.max_failures:
+                return  # `_check_budget` raises in the caller
             if self._launcher is None:
                 print(f"[pool] replica {rep.id} at {rep.url} failed: {reason}; waiting for it to answer again", flush=True)
                 rep.restarting = True
                 self._restarts.submit(self._reconnect, rep)
                 return
-            if rep.failures > self.max_failures:
-                return  # `_check_budget` raises in the caller
             print(f"[pool] restarting replica {rep.id} (failure {rep.failures}/{self.max_failures}): {reason}", flush=True)
             rep.restarting = True
         self._restarts.submit(self._restart, rep)
@@ -236,7 +242,7 @@ class ReplicaPool:
 
     def _reconnect(self, rep: _Replica) -> None:
         try:
-            self._came_up(rep)
+            self._came_up(rep, rejoined=True)
         except BaseException as e:  # noqa: BLE001
             with self._lock:
                 rep.restarting, rep.error = False, f"{rep.url} did not answer again: {e}"
