@@ -3,10 +3,11 @@
 The slow test runs a two-"node" job on this machine the way `launch/multi_node.sh` does on real
 nodes: two torchrun agents (`--nnodes=2 --node-rank={0,1}`, static rendezvous on 127.0.0.1, gloo),
 one learner rank each, `parallel.tp=2` so the tensor-parallel group spans both nodes, and the vLLM
-replica started by node 0's rank 0. A second one runs a dedicated replica node: a
-`megatron-async serve-replicas` process plays node 1 and starts the replica, a torchrun learner
-(PP=2) plays node 0. The other tests check the placement config (GPU splits, fits, reachability
-of loopback replicas) without GPUs, by giving `placement.gpus_per_node`.
+replica started by node 0's rank 0. A second one runs a dedicated replica node:
+`megatron-async serve-replica --index 0` plays node 1 (vLLM's server), a torchrun learner (PP=2)
+plays node 0 and uses its URL; another checks what a pool of such URLs does when the server dies.
+The other tests check the placement config (GPU splits, fits, reachability of loopback replicas)
+without GPUs, by giving `placement.gpus_per_node`.
 """
 import json
 import os
@@ -14,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -33,9 +35,9 @@ SMALL = [*E2E_SMALL, *RLOO, "sft.steps=20", f"trainer.steps={STEPS}", "trainer.c
          "rollout.max_new_tokens=32"]  # later overrides win
 
 
-# node 1 hosts only replicas (served by `megatron-async serve-replicas`), node 0 only learner ranks
+# node 1 hosts only replicas (`megatron-async serve-replica --index i` each), node 0 only learner ranks
 DEDICATED = ["placement.nnodes=2", "placement.dedicated_replica_node=true", "placement.replica_node=1",
-             "rollout.host=10.0.0.2", "rollout.token=s3cret"]
+             "rollout.base_port=29600", "rollout.host=10.0.0.2", "rollout.token=s3cret"]
 
 
 def gpu_cfg(*overrides):
@@ -69,10 +71,11 @@ def test_explicit_lists():
     (["parallel.world_size=8"], "parallel.world_size", "7 learner GPUs"),
     (["placement.learner_gpus=[0,1,2]", "parallel.tp=2"], "placement.learner_gpus", "not a multiple"),
     (["placement.nnodes=2", "placement.replica_node=1"], "placement.replica_node", "dedicated_replica_node"),
-    (["placement.dedicated_replica_node=true"], "placement.dedicated_replica_node", "nnodes >= 2"),
+    (["placement.dedicated_replica_node=true", "rollout.base_port=29600"], "placement.dedicated_replica_node",
+     "nnodes >= 2"),
     (DEDICATED[:-2], "rollout.token", "shared secret"),
     ([*DEDICATED, "rollout.num_replicas=9"], "rollout.num_replicas", "exceeds node 1's 8 GPUs"),
-    ([*DEDICATED, "rollout.base_port=29508", "rollout.num_replicas=4"], "placement.replica_server_port", "replica port"),
+    ([*DEDICATED, "rollout.base_port=0"], "rollout.base_port", "replica i listens on rollout.base_port + i"),
     # every learner rank is on node 0: loopback replicas on the dedicated node 1 are out of reach
     ([*DEDICATED[:-2], "rollout.token=s3cret"], "rollout.host", "node 1's address"),
     (["placement.replica_node=1"], "placement.replica_node", "[0, 1)"),
@@ -181,90 +184,144 @@ def test_two_node_job_tp_across_nodes(tmp_path):
 
 # ----------------------------------------------------------------------------- a dedicated replica node
 
+TOKEN = "test-token"
+# both "nodes" on 127.0.0.1: loopback is reachable here because it is one machine (check_reachable)
+LOCAL_DEDICATED = ["placement.nnodes=2", "placement.dedicated_replica_node=true", "placement.replica_node=1",
+                   f"rollout.token={TOKEN}"]
 
-def serve_replicas(port: int, out_dir: Path, *overrides: str) -> subprocess.Popen:
-    """`megatron-async serve-replicas` as node 1 would run it, its output in out_dir/host.log."""
-    cmd = [sys.executable, "-m", "megatron_async", "serve-replicas", CFG, *SMALL, *LOCAL_DEDICATED,
-           f"placement.replica_server_port={port}", f"run.out_dir={out_dir}", *overrides, "--wait-s", "600"]
+
+def serve_replica(out_dir: Path, port: int, *overrides: str) -> subprocess.Popen:
+    """`megatron-async serve-replica CFG --index 0` as node 1 runs it: vLLM's server for replica 0 on
+    127.0.0.1:port, in a session of its own (killpg ends its engine processes too); its output is
+    appended to out_dir/serve.log."""
+    cmd = [sys.executable, "-m", "megatron_async", "serve-replica", CFG, "--index", "0", *SMALL, *overrides,
+           f"rollout.token={TOKEN}", f"rollout.base_port={port}", f"run.out_dir={out_dir}"]
     out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "host.log", "w") as log:
-        return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+    with open(out_dir / "serve.log", "a") as log:
+        return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
 
 
-# both "nodes" on 127.0.0.1: loopback is reachable here because it is one machine (check_reachable)
-LOCAL_DEDICATED = ["placement.nnodes=2", "placement.dedicated_replica_node=true", "placement.replica_node=1",
-                   "rollout.token=test-token"]
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc`'s whole session (the API server, its engine core, workers) and reap them."""
+    members = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))] \
+        if proc.poll() is None else []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+    _, alive = psutil.wait_procs([psutil.Process(p) for p in members if psutil.pid_exists(p)], timeout=30)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+
+
+def restart_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("replica-restart") and t.is_alive()]
 
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_pool_fails_clearly_when_the_replica_host_dies(tmp_path):
+def test_pool_of_replica_urls_when_their_server_dies(tmp_path):
+    """A pool given `urls=` (servers started elsewhere: not restarted by it). When the server is
+    SIGKILLed, a pool with max_failures=0 fails at once; one with max_failures=1 waits up to its
+    start_timeout_s for the server to answer again, then fails; and when it does answer again (a new
+    server on the same port), the replica rejoins only after a weight push (it holds its launcher's
+    weights, not necessarily the pool's current ones)."""
     from megatron_async.learner.parallel import free_port
-    from megatron_async.rollout import PoolError, ReplicaPool, Sampling
-    from tests.rollout_fixtures import build_models, spec
+    from megatron_async.rollout import PoolError, ReplicaPool, ReplicaSpec, Sampling
+    from megatron_async.weights.sync import WeightSender
+    from tests.rollout_fixtures import state_dict
 
-    model = build_models(tmp_path / "models", seeds=(0,))[0]
-    port = free_port()
-    host = serve_replicas(port, tmp_path / "node1")
+    port, node1 = free_port(), tmp_path / "node1"
+    url = f"http://127.0.0.1:{port}"
+    prompts, sampling = [[1, 5, 6], [1, 7]], Sampling(n=2, max_tokens=8, seed=0)
+    server = serve_replica(node1, port)
+    base = node1 / "cpu_tiny" / "base_model"  # what `serve-replica` serves (it builds it)
     try:
-        with ReplicaPool(spec(model), 1, authkey="test-token", server=("127.0.0.1", port), request_timeout_s=60) as pool:
-            records = pool.generate([[1, 5, 6], [1, 7]], Sampling(n=2, max_tokens=8, seed=0))
-            assert len(records) == 4 and {r.replica_id for r in records} == {0}
-            replica = psutil.Process(pool.pids()[0])
-            assert replica.ppid() == host.pid  # the replica is the host's child, not this process's
-            host.send_signal(signal.SIGKILL)
-            replica.wait(timeout=10)  # it watches its parent and exits with it
+        common = dict(urls=[url], key=TOKEN, request_timeout_s=60)
+        with ReplicaPool(ReplicaSpec(model=str(base)), max_failures=0, start_timeout_s=300, **common) as strict, \
+                ReplicaPool(ReplicaSpec(model=str(base)), max_failures=1, start_timeout_s=5, **common) as patient, \
+                ReplicaPool(ReplicaSpec(model=str(base)), max_failures=1, start_timeout_s=300, **common) as pool:
+            for p in (strict, patient, pool):
+                records = p.generate(prompts, sampling)
+                assert len(records) == 4 and {(r.replica_id, r.policy_version) for r in records} == {(0, 0)}
+            assert pool.pids() == [None]  # not started by the pool
+            kill_group(server)
+
             t0 = time.monotonic()
-            with pytest.raises(PoolError, match=rf"replica host at 127.0.0.1:{port} is gone"):
-                pool.generate([[1, 5, 6]], Sampling(n=1, max_tokens=8, seed=0))
-            assert time.monotonic() - t0 < 30
+            with pytest.raises(PoolError, match=r"replica 0 failed 1 times \(max_failures=0\)"):
+                strict.generate(prompts, sampling)
+            assert time.monotonic() - t0 < 10
+            assert not restart_threads()  # over budget: nothing keeps waiting for the server
+
+            t0 = time.monotonic()
+            with pytest.raises(PoolError, match=rf"max_failures=1\) {url} did not answer again"):
+                patient.generate(prompts, sampling)
+            assert 5 <= time.monotonic() - t0 < 30  # start_timeout_s, + one /health timeout at most
+
+            assert pool.health_check()[0]["up"] is False  # the loss is noticed; the pool waits for the server
+            server = serve_replica(node1, port)  # node 1 starts it again (same port, its base model)
+            stale = pool.replicas_needing_weights()  # waits for it to answer
+            assert [(r.replica_id, r.version, r.weights_ok) for r in stale] == [(0, 0, False)]
+            with pytest.raises(TimeoutError, match="unfinished"):
+                pool.generate(prompts, sampling, timeout_s=3)  # not fresh: no work before the push
+            assert pool.begin_update(None, "between_batches", timeout_s=60) == [0]
+            with WeightSender(pool.urls, pool.key, timeout_s=60, bucket_bytes=1 << 20) as sender:
+                assert sender.push(iter(state_dict(base).items()))["failed"] == {}
+            assert pool.finish_update(1, [0]) == [0]
+            assert pool.replicas_needing_weights() == []
+            records = pool.generate(prompts, sampling)
+            assert len(records) == 4 and {r.policy_version for r in records} == {1}
     finally:
-        if host.poll() is None:
-            host.kill()
-        host.wait()
+        kill_group(server)
+    deadline = time.monotonic() + 10
+    while restart_threads():  # stopped pools: their idle restart threads exit, none is left waiting
+        assert time.monotonic() < deadline, restart_threads()
+        time.sleep(0.1)
 
 
 @pytest.mark.integration
 @pytest.mark.slow
 def test_dedicated_replica_node_job(tmp_path):
-    """Node 1: serve-replicas with the replica; node 0: a torchrun learner with PP=2 (two senders)."""
+    """Node 1: `serve-replica --index 0` (vLLM's server, serving the base model); node 0: a torchrun
+    learner with PP=2 (two weight senders) whose pool uses that server's URL."""
     from megatron_async.learner.parallel import free_port
+    from megatron_async.rollout import ReplicaClient
 
     port, master = free_port(), free_port()
     data = coin_flip_data(tmp_path)  # reward spread: a learning signal (e2e_utils.assert_trained)
-    host = serve_replicas(port, tmp_path / "node1", *data)
+    server = serve_replica(tmp_path / "node1", port, *data, *LOCAL_DEDICATED)
     learner_dir = tmp_path / "node0"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--node-rank=0", "--nproc-per-node=2",
            "--master-addr=127.0.0.1", f"--master-port={master}", "-m", "megatron_async", "train", CFG, *SMALL,
-           *data, *LOCAL_DEDICATED, "parallel.pp=2", f"placement.replica_server_port={port}", f"run.out_dir={learner_dir}"]
+           *data, *LOCAL_DEDICATED, "parallel.pp=2", f"rollout.base_port={port}", f"run.out_dir={learner_dir}"]
     learner_dir.mkdir()
     with open(learner_dir / "learner.log", "w") as log:
         learner = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        codes = [learner.wait(timeout=600), host.wait(timeout=60)]  # the host exits when the session ends
+        code = learner.wait(timeout=600)
+        alive = server.poll() is None
+        served = ReplicaClient(f"http://127.0.0.1:{port}", TOKEN, timeout_s=10).version(default=-1) if alive else None
     finally:
-        for p in (learner, host):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    logs = [(learner_dir / "learner.log").read_text(), (tmp_path / "node1" / "host.log").read_text()]
-    assert codes == [0, 0], f"exit codes {codes}:\n{logs[0][-4000:]}\n----- replica host\n{logs[1][-3000:]}"
+        if learner.poll() is None:
+            learner.kill()
+            learner.wait()
+        kill_group(server)  # the server outlives the learner (on a real replica node, srun ends it)
+    logs = [(learner_dir / "learner.log").read_text(), (tmp_path / "node1" / "serve.log").read_text()]
+    assert code == 0 and alive, f"exit code {code}, server alive {alive}:\n{logs[0][-4000:]}\n----- node 1\n{logs[1][-3000:]}"
 
     run_dir = learner_dir / "cpu_tiny"
     assert_trained(run_dir, STEPS)
     m = metrics(run_dir)
-    # one step off-policy: batch s was generated by version max(0, s - 1) on the host's replica, so
-    # the weights of versions 1.. reached it from both pipeline stages' senders
+    # one step off-policy: batch s was generated by version max(0, s - 1) on node 1's server, so the
+    # weights of versions 1.. reached it from both pipeline stages' senders
     assert_one_step_off_policy(m, STEPS)
-    assert m["logprob_diff/learner_vs_generator"][0] < 1e-3  # PP=2 learner vs the host's vLLM, version 0
-    # the final evaluation ran on the replica holding the learner's final version
+    # version 0 is the SFT'd model, not the base model the server started with: the learner pushed it
+    # before training, and the PP=2 learner and vLLM agree on its logprobs
+    assert m["logprob_diff/learner_vs_generator"][0] < 1e-3
     versions = lambda tag: {r["policy_version"] for r in json.loads((run_dir / f"eval_{tag}.json").read_text())["results"]}  # noqa: E731
     assert versions("before") == {0} and versions("after") == {STEPS}
-    # the replica ran under the host ("node 1"), and it is the one the learner's pool used
-    served = re.search(r"replica 0 serves on 127\.0\.0\.1:(\d+) \(pid (\d+)\)", logs[1])
-    assert served and "learner session from pid" in logs[1], logs[1][-3000:]
-    assert re.search(rf"replicas on \S+: 127\.0\.0\.1:{served[1]} \(pids \[{served[2]}\]\)", logs[0]), logs[0][-3000:]
-    assert "serving on 127.0.0.1" in (tmp_path / "node1" / "cpu_tiny" / "replicas" / "replica0.log").read_text()
+    assert served == STEPS  # node 1's server holds the learner's final version
+    assert re.search(rf"replicas: http://127\.0\.0\.1:{port} \(pids \[None\]\)", logs[0]), logs[0][-3000:]
     assert not (run_dir / "replicas").exists()  # no replica was started on the learner's side
