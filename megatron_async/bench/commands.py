@@ -196,6 +196,8 @@ def bench_async(args) -> int:
         "quality": {mode: {"final_reward": [r["final_reward"] for r in rs], "final_kl": [r["final_kl"] for r in rs],
                            "pass_at_1_after": [runs[(s, lag)].get("pass_at_1_after") for s in args.seeds]}
                     for mode, rs, lag in (("sync", sync, 0), ("async", asyn, 1))},
+        "modes": {mode: [{"seed": s, "pass_at_1_after": r.get("pass_at_1_after"), **report.mode_summary(r["history"])}
+                         for s, r in by_seed.items()] for mode, by_seed in extra.items()},
         "runs": [{"seed": s, "max_lag": lag, **{k: v for k, v in runs[(s, lag)].items() if k != "history"},
                   "summary": report.mode_summary(runs[(s, lag)]["history"]),
                   "per_step": report.per_step_timings(runs[(s, lag)]["history"])} for s, lag in order],
@@ -224,6 +226,9 @@ def bench_async(args) -> int:
           f"load {started['load_avg_1_5_15'][0]:.1f} -> {result['machine_end']['load_avg_1_5_15'][0]:.1f}")
     for mode, q in result["quality"].items():
         print(f"{mode}: final reward {q['final_reward']} final KL {q['final_kl']} pass@1 after {q['pass_at_1_after']}")
+    for mode, rows in result["modes"].items():
+        print(f"{mode}: mean step {[round(r['mean_step_wall_s'], 2) for r in rows]} s, final reward "
+              f"{[r['final_reward'] for r in rows]}, pass@1 after {[r['pass_at_1_after'] for r in rows]}")
     for mode, t in result.get("time_to_quality", {}).items():
         print(f"time to sync's final pass@1, {mode}: {t['seconds']} s, ratio to sync {t['ratio_to_sync']}")
     print(f"wrote {json_path} and {png}")
@@ -233,6 +238,7 @@ def bench_async(args) -> int:
 QUALITY_MODES = {  # `bench async --modes`: runs beside sync (max_lag=0) and async (max_lag=1)
     "auto": ["rollout.max_lag=auto"],
     "balance": ["rollout.max_lag=1", "trainer.auto_balance=true"],
+    "during": ["rollout.max_lag=1", "rollout.weight_update=during_generation"],  # PipelineRL-style updates
 }
 
 
@@ -528,7 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--contention-s", type=float, default=20.0, help="seconds per contention phase")
     a.add_argument("--rollout", action="store_true", help="also run tools/bench_rollout.py --models tiny")
     a.add_argument("--modes", nargs="*", default=[], choices=sorted(QUALITY_MODES),
-                   help="more modes per seed: auto (rollout.max_lag=auto), balance (max_lag=1 + trainer.auto_balance)")
+                   help="more modes per seed: auto (rollout.max_lag=auto), balance (max_lag=1 + trainer.auto_balance), "
+                        "during (max_lag=1 + rollout.weight_update=during_generation)")
     a.add_argument("--eval-every", type=int, default=0,
                    help="evaluate every N steps (trainer.eval_every) and report each mode's wall time to the sync "
                         "run's final held-out pass@1 and its ratio to sync (the paper's time-to-quality)")

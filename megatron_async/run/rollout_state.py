@@ -145,6 +145,9 @@ class RolloutState:
                         "reward/mean": mean, "reward/std": std, "reward/errors": float(batch.reward_errors),
                         "reward/timeouts": float(batch.reward_timeouts),
                         "rollout/tokens_per_s": n_tokens / max(batch.gen_seconds, 1e-9),
+                        # rollout.weight_update=during_generation: completions whose tokens span versions
+                        "rollout/multi_version_samples": float(sum(c.policy_version_max > c.policy_version
+                                                                   for cs in batch.completions for c in cs)),
                         "rollout/replica_idle_s": self.producer.idle_seconds,
                         "rollout/max_lag": float(self.producer.max_lag),
                         "balance/updates_per_batch": float(self.updates_per_batch()), "balance/k": float(batch.k)})
