@@ -1,10 +1,13 @@
-"""Shared helpers for the rollout / weight-sync tests: tiny checkpoints and a transformers reference.
+"""Shared helpers for the rollout / weight-sync tests: tiny checkpoints, a transformers reference,
+replica specs, one weight sync through the pool's update phases, and process-tree checks.
 
 Every model here is a random tiny LLaMA (megatron_async.models.tiny) sharing one tokenizer, so any
 of them can be pushed into a replica started from another.
 """
 from __future__ import annotations
 
+import dataclasses
+import time
 from pathlib import Path
 
 import torch
@@ -14,6 +17,7 @@ from megatron_async.models.tiny import TinyLlamaSpec, build_tiny_llama, build_to
 from megatron_async.rollout import ReplicaSpec
 
 LOGPROB_TOL = 1e-3  # fp32 vLLM vs transformers, max |diff| (measured ~5e-7 on these models)
+SMALL_BUCKET = 48 << 10  # splits q/k/v and gate/up of one layer over several buckets
 
 
 def build_models(root: Path, seeds=(0, 1, 2)) -> list[Path]:
@@ -56,8 +60,65 @@ def state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(Path(model_dir) / "model.safetensors"))
 
 
-def spec(model_dir: Path) -> ReplicaSpec:
-    return ReplicaSpec(model=str(model_dir), kv_cache_bytes=64 << 20, max_model_len=256)
+def perturbed(model_dir: Path, out_dir: Path, seed: int = 0, scale: float = 0.5) -> Path:
+    """A copy of an HF checkpoint (any architecture) with every weight changed: w * (1 + scale * N(0, 1));
+    the same names and shapes, so it can be pushed into a replica started from `model_dir`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 + scale * torch.randn(p.shape, generator=g))
+    model.save_pretrained(str(out_dir))
+    AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(str(out_dir))
+    return Path(out_dir)
+
+
+def spec(model_dir: Path, **overrides) -> ReplicaSpec:
+    """A replica small enough for this CPU (fp32, 64 MiB of KV cache, 256 tokens)."""
+    return dataclasses.replace(ReplicaSpec(model=str(model_dir), kv_cache_bytes=64 << 20, max_model_len=256), **overrides)
+
+
+def sync(pool, model_dir: Path | None, version: int, replica_ids=None, *, named=None, mode="between_batches",
+         transport: str = "auto", bucket_bytes: int = SMALL_BUCKET, timeout_s: float = 60.0) -> tuple[dict, list[int]]:
+    """One weight update as learner rank 0 and a single stage sender run it: `begin_update`, the
+    stage's `WeightSender.push` into the replicas that opened, `finish_update(version)` on those the
+    push reached. Returns (push metrics, ids of the replicas that published `version`)."""
+    from megatron_async.weights.sync import WeightSender
+
+    opened = pool.begin_update(replica_ids, mode, timeout_s)
+    assert opened, f"no replica opened the update: {pool.health_check()}"
+    urls = [pool.urls[i] for i in opened]
+    with WeightSender(urls, pool.key, timeout_s=timeout_s, bucket_bytes=bucket_bytes, transport=transport) as sender:
+        metrics = sender.push(iter(state_dict(model_dir).items()) if named is None else named)
+    reached = [i for i in opened if pool.urls[i] not in metrics["failed"]]
+    return metrics, pool.finish_update(version, reached)
+
+
+def process_tree(pid: int) -> list:
+    """psutil.Process of `pid` (a replica's supervisor) and all its descendants (server, engine core, workers)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def gone(proc) -> bool:
+    """Exited: no longer running (a zombie not yet reaped counts as exited)."""
+    import psutil
+
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_for(cond, timeout_s: float, what: str, every_s: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
+        time.sleep(every_s)
 
 
 def hf_logprobs(model_dir: Path, records) -> list[list[float]]:

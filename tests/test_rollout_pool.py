@@ -1,17 +1,19 @@
-"""ReplicaPool with real vLLM replicas: records, dispatch, auth, faults, shutdown.
+"""ReplicaPool over real vLLM API servers: records, seeds, versions across syncs, auth, faults, shutdown.
 
-The fault test SIGKILLs a replica in the middle of a generate call and checks that no prompt is
-lost, that the replica is restarted, that it serves nothing before the current weights were
-pushed to it, and that a replica failing more than `max_failures` times stops the pool loudly.
+The module shares one 2-replica pool (prefix caching off, so the updates-during-generation test can
+use it too). The `pool` fixture hands it over with every replica up and on the pool's current
+version: a replica an earlier test killed is waited for and given the current weights (`pool.held`,
+the checkpoint that version is), so every test passes alone or in any order. Tests that need a
+version of their own push it themselves. The tests that must destroy a pool (failure budget, the
+pool's process killed) start a 1-replica pool of their own.
 
-The module shares one 2-replica pool; the `pool` fixture hands it over healthy (a replica an earlier
-test killed is restarted and given the current weights), so every test passes alone or in any
-order. Tests that kill a replica kill it themselves; the one that exhausts the failure budget and
-stops the pool has a pool of its own.
+Processes: a replica is a supervisor (`pool.pids()`, megatron_async.rollout.launcher) whose process
+group holds vLLM's API server, its engine core and workers (`process_tree`).
 """
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,17 +21,62 @@ import textwrap
 import threading
 import time
 
+import httpx
 import psutil
 import pytest
 
-from megatron_async.rollout import PoolError, ReplicaClient, ReplicaPool, Sampling
-from megatron_async.weights.sync import WeightSender, WeightSyncError
-from tests.rollout_fixtures import LOGPROB_TOL, max_logprob_diff, spec, state_dict
+from megatron_async.rollout import PoolError, ReplicaPool, ReplicaSpec, Sampling
+from megatron_async.rollout.pool import GENERATE_ROUTE
+from megatron_async.rollout.replica import auth_headers, server_command, server_env
+from tests.rollout_fixtures import LOGPROB_TOL, gone, max_logprob_diff, process_tree, spec, sync, wait_for
 
 PROMPTS = [[1, 5 + i, 6, 7 + 2 * i][: 2 + i % 3] for i in range(12)]
 STOP_IDS = tuple(range(100, 130))
 
+# Every route the pool (and the weight sender) calls, plus the OpenAI route other clients use.
+POOL_ROUTES = [
+    ("GET", "/health"), ("GET", "/weight_info"), ("POST", "/update_weight_version"), ("POST", "/pause"),
+    ("POST", "/resume"), ("POST", "/start_weight_update"), ("POST", "/update_weights"),
+    ("POST", "/finish_weight_update"), ("POST", "/init_weight_transfer_engine"), ("POST", GENERATE_ROUTE),
+    ("POST", "/v1/completions"), ("POST", "/collective_rpc"),
+]
+READ_ONLY = {"/health", "/weight_info"}
 
+
+# -- fast tier: no process ------------------------------------------------------------------------
+def test_refuses_to_serve_without_a_key_where_others_can_reach_it(tmp_path):
+    with pytest.raises(ValueError, match="non-loopback host '0.0.0.0' without an explicit key"):
+        ReplicaPool(spec(tmp_path), 1, host="0.0.0.0")
+    with pytest.raises(ValueError, match="need the key they were started with"):
+        ReplicaPool(spec(tmp_path), urls=["http://10.0.0.7:8000"])
+    with pytest.raises(ValueError, match="num_replicas must be >= 1"):
+        ReplicaPool(spec(tmp_path), 0)
+
+
+def test_server_command_keeps_the_key_off_the_command_line():
+    s = ReplicaSpec(model="/m", prefix_caching=False, extra_args=("--max-num-seqs", "8"), env={"X": "1"})
+    cmd = server_command(s, "127.0.0.1", 8011, gpu=False)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert {"--enforce-eager", "--no-enable-prefix-caching", "--enable-scale-out", "--no-enable-chunked-prefill"} <= set(cmd)
+    assert cmd[cmd.index("--middleware") + 1] == "megatron_async.rollout.auth.RequireKey"
+    assert '"mas_cpu"' in cmd[cmd.index("--weight-transfer-config") + 1] and cmd[-2:] == ["--max-num-seqs", "8"]
+    assert "--gpu-memory-utilization" not in cmd and "--api-key" not in cmd
+    env = server_env(s, "secret")
+    assert env == {"VLLM_API_KEY": "secret", "VLLM_SERVER_DEV_MODE": "1", "X": "1"}
+    assert not any("secret" in a for a in cmd)
+    gpu = server_command(ReplicaSpec(model="/m"), "127.0.0.1", 8011, gpu=True)
+    assert "--enforce-eager" not in gpu and "--no-enable-prefix-caching" not in gpu and "--gpu-memory-utilization" in gpu
+    assert '"nccl"' in gpu[gpu.index("--weight-transfer-config") + 1]
+
+
+def test_sampling_params_seed_and_fields():
+    p = Sampling(n=3, max_tokens=7, stop_token_ids=(5,), seed=None).params(seed=11)
+    assert p == {"n": 3, "temperature": 1.0, "top_p": 1.0, "max_tokens": 7, "ignore_eos": False, "detokenize": False,
+                 "stop_token_ids": [5], "logprobs": 0, "seed": 11}
+    assert "seed" not in Sampling().params(None) and "logprobs" not in Sampling(logprobs=False).params(None)
+
+
+# -- real vLLM servers (integration) --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def models(tiny_models):
     return tiny_models
@@ -37,171 +84,222 @@ def models(tiny_models):
 
 @pytest.fixture(scope="module")
 def shared_pool(models, tmp_path_factory):
-    with ReplicaPool(spec(models[0]), 2, log_dir=tmp_path_factory.mktemp("logs"), request_timeout_s=120) as p:
-        p.held = models[0]  # the checkpoint every replica holds; a test that pushes other weights sets it
+    with ReplicaPool(spec(models[0], prefix_caching=False), 2, log_dir=tmp_path_factory.mktemp("logs"),
+                     request_timeout_s=120, start_timeout_s=300) as p:
+        p.held = models[0]  # the checkpoint of the pool's current version; a test that pushes other weights sets it
         yield p
 
 
 @pytest.fixture
 def pool(shared_pool):
-    """The module's pool with both replicas up and on the same version of `pool.held`."""
-    statuses = shared_pool.health_check()  # restarts a replica that an earlier test killed
-    version = max(s["version"] for s in statuses)
-    behind = [a for a, s in zip(shared_pool.addresses, statuses) if s["version"] != version or not s["weights_ok"]]
+    """The module's pool, every replica up and on its current version (`shared_pool.held`)."""
+    behind = [r.replica_id for r in shared_pool.replicas_needing_weights()]  # waits for a restarting replica
     if behind:
-        push(behind, shared_pool.authkey, version, shared_pool.held)
+        _, done = sync(shared_pool, shared_pool.held, shared_pool.current_version, behind)
+        assert done == behind
+    assert not shared_pool.replicas_needing_weights(wait_s=0)
     return shared_pool
 
 
-def current_version(pool) -> int:
-    versions = {s["version"] for s in pool.health_check()}
-    assert len(versions) == 1, versions
-    return versions.pop()
+def next_version(pool, model_dir, **kw) -> int:
+    """Push `model_dir` to every replica as the next version; returns it."""
+    version = pool.current_version + 1
+    metrics, done = sync(pool, model_dir, version, **kw)
+    assert done == [0, 1] and not metrics["failed"] and metrics["replicas"] == 2, metrics
+    pool.held = model_dir
+    return version
 
 
-def push(addresses, authkey, version, model_dir=None, named=None, **kw):
-    named = iter(state_dict(model_dir).items()) if named is None else named
-    with WeightSender(addresses, authkey, timeout_s=kw.pop("timeout_s", 30), bucket_bytes=1 << 20, **kw) as s:
-        return s.push(version, 0, 1, named)
+def requests_running(url: str, key: str) -> float:
+    """vLLM's own gauge of requests being generated on one replica (its /metrics, behind the key)."""
+    text = httpx.get(url + "/metrics", headers=auth_headers(key), timeout=5, trust_env=False).text
+    return sum(float(m.group(1)) for m in re.finditer(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M))
 
 
-def wait_for(cond, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-def dead(proc: psutil.Process) -> bool:
-    """Exited (a zombie until the pool reaps it, or gone)."""
-    try:
-        return proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def test_non_loopback_host_requires_an_explicit_token(tmp_path):
-    with pytest.raises(ValueError, match="without an explicit authkey"):  # refused before anything starts
-        ReplicaPool(spec(tmp_path), 1, host="0.0.0.0")
-
-
-@pytest.mark.integration
-def test_wrong_authkey_is_rejected(pool):
-    client = ReplicaClient(pool.addresses[0], b"not-the-token", timeout_s=5)
-    with pytest.raises(ConnectionError, match="authentication failed"):
-        client.call("health")
-    assert ReplicaClient(pool.addresses[0], pool.authkey, timeout_s=5).call("health")["ok"]
-
-
-@pytest.mark.integration
-def test_generate_returns_well_formed_versioned_records(pool):
-    version = current_version(pool)
-    sampling = Sampling(n=2, max_tokens=12, temperature=1.0, stop_token_ids=STOP_IDS, seed=3)
-    records = pool.generate(PROMPTS, sampling, chunk_size=1)
-    assert [(r.prompt_index, r.sample_index) for r in records] == [(i, j) for i in range(len(PROMPTS)) for j in range(2)]
+def assert_well_formed(records, prompts, n, max_tokens, version):
+    assert [(r.prompt_index, r.sample_index) for r in records] == [(i, j) for i in range(len(prompts)) for j in range(n)]
     for r in records:
-        assert r.prompt_token_ids == tuple(PROMPTS[r.prompt_index])
-        assert r.policy_version == version and r.replica_id in (0, 1)
-        assert 1 <= len(r.token_ids) <= 12 and len(r.logprobs) == len(r.token_ids)
+        assert r.prompt_token_ids == tuple(prompts[r.prompt_index])
+        assert (r.policy_version, r.policy_version_max) == (version, version) and r.replica_id in (0, 1)
+        assert 1 <= len(r.token_ids) <= max_tokens and len(r.logprobs) == len(r.token_ids)
         assert all(lp <= 0.0 for lp in r.logprobs)
+
+
+@pytest.mark.integration
+def test_every_route_needs_the_key(pool):
+    url = pool.urls[0]
+    with httpx.Client(base_url=url, timeout=10, trust_env=False) as http:
+        for method, path in POOL_ROUTES:
+            for headers in ({}, {"Authorization": "Bearer not-the-key"}, {"Authorization": pool.key}):
+                r = http.request(method, path, headers=headers, json=None if method == "GET" else {})
+                assert r.status_code == 401, (method, path, headers, r.status_code, r.text[:200])
+            if path in READ_ONLY:
+                assert http.request(method, path, headers=auth_headers(pool.key)).status_code == 200, path
+        # any OpenAI client can use a replica with the run's key
+        r = http.post("/v1/completions", headers=auth_headers(pool.key),
+                      json={"model": pool.spec.model, "prompt": [1, 5, 6], "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert http.get("/weight_info", headers=auth_headers(pool.key)).json()["weight_version"] == str(pool.current_version)
+
+
+@pytest.mark.integration
+def test_generate_returns_well_formed_records_and_seeds_are_per_completion(pool):
+    version = pool.current_version
+    before = pool.stats()["requests_per_replica"]
+    sampling = Sampling(n=2, max_tokens=12, temperature=1.0, stop_token_ids=STOP_IDS, seed=3)
+    records = pool.generate(PROMPTS, sampling)
+    assert_well_formed(records, PROMPTS, 2, 12, version)
+    for r in records:
         if r.finish_reason == "stop":
             assert r.token_ids[-1] in STOP_IDS and not set(r.token_ids[:-1]) & set(STOP_IDS)
         else:
             assert r.finish_reason == "length" and len(r.token_ids) == 12 and not set(r.token_ids) & set(STOP_IDS)
     assert {r.finish_reason for r in records} == {"stop", "length"}
-    assert {r.replica_id for r in records} == {0, 1}
+    assert {r.replica_id for r in records} == {0, 1}  # both replicas used ...
+    after = pool.stats()["requests_per_replica"]
+    assert [a - b for a, b in zip(after, before)] == [sum(1 for i in range(len(PROMPTS)) if records[2 * i].replica_id == k)
+                                                      for k in (0, 1)]  # ... one request per prompt
     assert len({r.token_ids for r in records}) > len(records) // 2  # distinct random streams per completion
     assert max_logprob_diff(pool.held, records) < LOGPROB_TOL
-    # per-completion seeds: the same call gives the same samples, whichever replica serves a prompt
-    assert [r.token_ids for r in pool.generate(PROMPTS, sampling, chunk_size=1)] == [r.token_ids for r in records]
+    # same seed -> same tokens: the same call again ...
+    again = pool.generate(PROMPTS, sampling)
+    assert [r.token_ids for r in again] == [r.token_ids for r in records]
+    # ... and prompt i, seeded seed + i * n, gives the same completions on either replica
+    for i in (0, 5, 11):
+        body = {"token_ids": PROMPTS[i], "sampling_params": sampling.params(sampling.seed + i * sampling.n)}
+        for url in pool.urls:
+            choices = httpx.post(url + GENERATE_ROUTE, json=body, headers=auth_headers(pool.key), timeout=60,
+                                 trust_env=False).json()["choices"]
+            assert [tuple(c["token_ids"]) for c in sorted(choices, key=lambda c: c["index"])] == \
+                [records[2 * i + j].token_ids for j in range(2)], (i, url)
+    # a different seed gives other samples; seed None too
+    other = pool.generate(PROMPTS, Sampling(n=2, max_tokens=12, stop_token_ids=STOP_IDS, seed=4))
+    assert [r.token_ids for r in other] != [r.token_ids for r in records]
+    assert len(pool.generate(PROMPTS[:3], Sampling(n=1, max_tokens=4, seed=None))) == 3
 
 
 @pytest.mark.integration
-def test_killed_replica_loses_no_prompt_and_rejoins_only_with_current_weights(pool, models):
-    """Replica 0 is held busy by an open weight update (it stays healthy but serves nothing), so
-    after replica 1 is SIGKILLed the queue can only drain through the restarted replica 1, and
-    only once the current weights (version v) were pushed to it."""
-    v, restarts = current_version(pool) + 1, pool.stats()["restarts"]
-    push(pool.addresses, pool.authkey, v, models[1])
-    pool.held = models[1]
-    chunks = lambda: pool.stats()["chunks_per_replica"][1]  # noqa: E731
-    base, old_pid = chunks(), pool.pids()[1]
-    prompts = [[1, 3 + i, 4] for i in range(32)]
-    result, held = {}, {}
-    gen = threading.Thread(target=lambda: result.update(r=pool.generate(prompts, Sampling(n=2, max_tokens=32, ignore_eos=True, seed=0), chunk_size=2)))
+def test_versions_and_logprobs_follow_several_syncs(pool, models):
+    """Each sync (begin_update, one stage's push, finish_update) publishes a new version with other
+    weights: records carry it, and vLLM's logprobs equal transformers' on the pushed model."""
+    greedy = Sampling(n=1, max_tokens=10, temperature=0.0)
+    previous = pool.generate(PROMPTS, greedy)
+    for model_dir in (models[1], models[2], models[0]):
+        if model_dir == pool.held:
+            continue
+        version = next_version(pool, model_dir)
+        assert pool.current_version == version and not pool.replicas_needing_weights(wait_s=0)
+        assert [(s["version"], s["weights_ok"]) for s in pool.health_check()] == [(version, True)] * 2
+        records = pool.generate(PROMPTS, Sampling(n=2, max_tokens=12, seed=version))
+        assert_well_formed(records, PROMPTS, 2, 12, version)
+        assert {r.replica_id for r in records} == {0, 1}
+        assert max_logprob_diff(model_dir, records) < LOGPROB_TOL
+        greedy_now = pool.generate(PROMPTS, greedy)
+        assert [r.token_ids for r in greedy_now] != [r.token_ids for r in previous]  # other weights, other argmax
+        assert max_logprob_diff(model_dir, greedy_now) < LOGPROB_TOL
+        previous = greedy_now
+
+
+@pytest.mark.integration
+def test_update_during_generation_gives_records_spanning_two_versions(pool, models):
+    """PipelineRL's mode: `/pause?mode=keep` freezes running requests, the weights change under
+    them, and they go on: their `weight_versions` spans name both versions."""
+    v = pool.current_version
+    new = next(m for m in models if m != pool.held)
+    prompts = [[1, 3 + i, 4] for i in range(16)]
+    result = {}
+    gen = threading.Thread(target=lambda: result.update(
+        r=pool.generate(prompts, Sampling(n=2, max_tokens=200, ignore_eos=True, seed=0), timeout_s=300)))
     gen.start()
-    wait_for(lambda: chunks() > base, 60, "replica 1 to take work")
-
-    gate = threading.Event()
-
-    def held_weights():  # re-push version v to replica 0, pausing after update_begin
-        items = list(state_dict(models[1]).items())
-        yield from items[:3]
-        gate.wait(120)
-        yield from items[3:]
-
-    holder = threading.Thread(target=lambda: held.update(m=push([pool.addresses[0]], pool.authkey, v, named=held_weights())))
-    holder.start()
-    probe = ReplicaClient(pool.addresses[0], pool.authkey, timeout_s=10)
-    wait_for(lambda: probe.call("health")["updating"] == v, 60, "replica 0 to hold generation")
-
-    os.kill(old_pid, signal.SIGKILL)
-    wait_for(lambda: [(r.replica_id, r.version) for r in pool.replicas_needing_weights()] == [(1, 0)], 240, "the restarted replica")
-    stale_chunks = chunks()
-    time.sleep(1.0)
-    assert chunks() == stale_chunks and gen.is_alive()  # up, but stale: given no work
-    push([pool.addresses[1]], pool.authkey, v, models[1])  # the learner's resync
-    wait_for(lambda: chunks() > stale_chunks, 120, "the resynced replica to rejoin")
-    gate.set()
-    holder.join(60)
-    gen.join(300)
-    assert held["m"]["completed"] == 1
+    try:
+        wait_for(lambda: all(requests_running(u, pool.key) > 0 for u in pool.urls), 60, "both replicas to generate")
+        metrics, done = sync(pool, new, v + 1, mode="during_generation")
+        assert done == [0, 1] and not metrics["failed"]
+        pool.held = new
+        assert gen.is_alive()  # the update went in while the batch was being generated
+    finally:
+        gen.join(300)
     records = result["r"]
-    assert sorted((r.prompt_index, r.sample_index) for r in records) == [(i, j) for i in range(len(prompts)) for j in range(2)]
-    assert all(len(r.token_ids) == 32 for r in records)
-    assert {r.policy_version for r in records} == {v}
-    stats = pool.stats()
-    assert stats["requeues"] >= 1 and stats["restarts"] == restarts + 1 and pool.pids()[1] != old_pid
-    records = pool.generate(PROMPTS, Sampling(n=2, max_tokens=8, seed=1), chunk_size=1)
+    assert len(records) == 32 and all(len(r.token_ids) == 200 for r in records)
+    spans = {(r.policy_version, r.policy_version_max) for r in records}
+    assert (v, v + 1) in spans and spans <= {(v, v), (v, v + 1), (v + 1, v + 1)}, spans
+    after = pool.generate(PROMPTS, Sampling(n=2, max_tokens=8, seed=1))
+    assert {(r.policy_version, r.policy_version_max) for r in after} == {(v + 1, v + 1)}
+    assert max_logprob_diff(new, after) < LOGPROB_TOL
+
+
+@pytest.mark.integration
+def test_killed_replica_loses_no_prompt_and_serves_again_only_with_current_weights(pool, models):
+    """SIGKILL replica 1's process group in the middle of a generate call: its prompts are requeued
+    to replica 0, replica 1 is restarted from its checkpoint (version 0), takes no work until the
+    current weights (version v) were pushed to it, then serves again; nothing of the killed
+    incarnation is left."""
+    v = next_version(pool, next(m for m in models if m != pool.held))  # > 0: a restarted replica is stale
+    restarts, requeues = pool.stats()["restarts"], pool.stats()["requeues"]
+    old_pid = pool.pids()[1]
+    killed = process_tree(old_pid)
+    server = [p for p in killed if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())]
+    assert server and len(killed) >= 3, [(p.pid, p.name()) for p in killed]
+    prompts = [[1, 3 + i, 4] for i in range(32)]
+    result, error = {}, {}
+
+    def run():
+        try:
+            result["r"] = pool.generate(prompts, Sampling(n=2, max_tokens=150, ignore_eos=True, seed=0), timeout_s=300)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            error["e"] = e
+
+    gen = threading.Thread(target=run)
+    gen.start()
+    try:
+        wait_for(lambda: requests_running(pool.urls[1], pool.key) > 0, 60, "replica 1 to generate")
+        os.killpg(os.getpgid(server[0].pid), signal.SIGKILL)  # the server's group: supervisor, server, engine
+    finally:
+        gen.join(300)
+    assert not error, error
+    records = result["r"]
+    assert sorted((r.prompt_index, r.sample_index) for r in records) == [(i, j) for i in range(32) for j in range(2)]
+    assert all(len(r.token_ids) == 150 for r in records) and {r.policy_version for r in records} == {v}
+    assert pool.stats()["requeues"] > requeues
+
+    stale = pool.replicas_needing_weights()  # waits for the restart
+    assert [(r.replica_id, r.version, r.weights_ok) for r in stale] == [(1, 0, True)]
+    assert pool.pids()[1] not in (None, old_pid) and pool.stats()["restarts"] == restarts + 1
+    wait_for(lambda: all(gone(p) for p in killed), 20, "the killed incarnation's processes to exit")
+    served = pool.stats()["requests_per_replica"][1]
+    records = pool.generate(PROMPTS, Sampling(n=2, max_tokens=8, seed=2))
+    assert {r.replica_id for r in records} == {0} and pool.stats()["requests_per_replica"][1] == served  # up, stale: no work
+
+    metrics, done = sync(pool, pool.held, v, [1])  # the learner's re-sync of the restarted replica
+    assert done == [1] and metrics["replicas"] == 1 and not pool.replicas_needing_weights(wait_s=0)
+    records = pool.generate(PROMPTS, Sampling(n=2, max_tokens=8, seed=2))
     assert {r.replica_id for r in records} == {0, 1} and {r.policy_version for r in records} == {v}
-    assert max_logprob_diff(models[1], records) < LOGPROB_TOL
+    assert max_logprob_diff(pool.held, records) < LOGPROB_TOL
 
 
 @pytest.mark.integration
-def test_killed_replica_fails_a_strict_sync_and_is_reported_by_a_lenient_one(pool, models):
-    v = current_version(pool) + 1
-    victim = psutil.Process(pool.pids()[0])
-    victim.kill()
-    wait_for(lambda: dead(victim), 10, "the replica to die")
-    t0 = time.monotonic()
-    with pytest.raises(WeightSyncError, match=rf"version {v} .*replica at 127\.0\.0\.1:{pool.addresses[0][1]}"):
-        push(pool.addresses, pool.authkey, v, models[0], timeout_s=5)
-    assert time.monotonic() - t0 < 20
-    metrics = push(pool.addresses, pool.authkey, v, models[0], timeout_s=5, strict=False)
-    pool.held = models[0]  # on replica 1; the `pool` fixture restarts replica 0 and resyncs it
-    assert metrics["replicas"] == 1 and list(metrics["failed"]) == [f"replica at 127.0.0.1:{pool.addresses[0][1]}"]
+def test_replica_past_max_failures_stops_the_pool_and_stop_leaves_no_process(models, tmp_path):
+    """A pool of its own (it is left unusable): max_failures=0, so the first failure of replica 0
+    (its engine core killed under a request) is one too many."""
+    with ReplicaPool(spec(models[0]), 1, log_dir=tmp_path, request_timeout_s=60, max_failures=0) as pool:
+        tree = process_tree(pool.pids()[0])
+        assert len(pool.generate(PROMPTS[:2], Sampling(max_tokens=4, seed=0))) == 2
+        engine = [p for p in tree if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
+        assert engine, [(p.pid, p.name()) for p in tree]
+        engine[0].kill()
+        t0 = time.monotonic()
+        with pytest.raises(PoolError, match=r"replica 0 failed 1 times \(max_failures=0\)"):
+            pool.generate(PROMPTS, Sampling(max_tokens=4, seed=0), timeout_s=120)
+        assert time.monotonic() - t0 < 60
+        with pytest.raises(PoolError):  # and stays failed
+            pool.health_check()
+    wait_for(lambda: all(gone(p) for p in tree), 20, "every process of the replica to exit after stop()")
 
 
 @pytest.mark.integration
-def test_replica_failing_past_max_failures_stops_the_pool_then_stop_leaves_no_process(models, tmp_path):
-    # a pool of its own: max_failures=1 allows replica 0 one restart, not two, and the pool stops
-    with ReplicaPool(spec(models[0]), 1, log_dir=tmp_path, request_timeout_s=120, max_failures=1) as pool:
-        first = psutil.Process(pool.pids()[0])
-        first.kill()
-        wait_for(lambda: dead(first), 10, "the replica to die")
-        pool.health_check()  # restarts replica 0: its first failure
-        assert pool.stats()["restarts"] == 1 and pool.pids()[0] != first.pid
-        os.kill(pool.pids()[0], signal.SIGKILL)
-        with pytest.raises(PoolError, match=r"replica 0 failed 2 times \(max_failures=1\)"):
-            pool.generate(PROMPTS, Sampling(max_tokens=4), timeout_s=120)
-        procs = [psutil.Process(p) for p in pool.pids() if psutil.pid_exists(p)]
-        pool.stop()
-    psutil.wait_procs(procs, timeout=30)
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs)
-
-
-@pytest.mark.integration
-def test_replicas_exit_when_the_pool_process_is_killed(models, tmp_path):
+def test_servers_exit_when_the_pool_process_is_killed(models, tmp_path):
+    """SIGKILL of the process that owns the pool (no atexit, no stop()): each replica's supervisor
+    sees its parent gone and ends its process group."""
     script = textwrap.dedent(f"""
         import time
         from megatron_async.rollout import ReplicaPool
@@ -211,12 +309,13 @@ def test_replicas_exit_when_the_pool_process_is_killed(models, tmp_path):
             print(pool.pids()[0], flush=True)
             time.sleep(600)
     """)
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
     try:
-        replica_pid = int(parent.stdout.readline())
-        assert psutil.pid_exists(replica_pid)
+        line = owner.stdout.readline()
+        assert line.strip().isdigit(), f"the pool's process printed {line!r} (exit code {owner.poll()})"
+        tree = process_tree(int(line))
+        assert len(tree) >= 3 and not any(gone(p) for p in tree)
     finally:
-        parent.kill()
-        parent.wait()
-    gone, alive = psutil.wait_procs([psutil.Process(replica_pid)] if psutil.pid_exists(replica_pid) else [], timeout=15)
-    assert not alive
+        owner.kill()
+        owner.wait()
+    wait_for(lambda: all(gone(p) for p in tree), 20, "the servers of a SIGKILLed pool process to exit")
