@@ -1,19 +1,18 @@
 """CPU pinning of the learner and the vLLM replicas (the CPU analogue of separate GPUs).
 
     parallel.learner_cpus: "0"     # learner rank(s): os.sched_setaffinity + torch.set_num_threads
-    rollout.replica_cpus: "1"      # every replica process: pinned at its start (env REPLICA_CPUS_ENV)
+    rollout.replica_cpus: "1"      # every replica's processes: pinned from the start (env REPLICA_CPUS_ENV)
 
 Empty strings mean no pinning. On a 2-core machine, unpinned OpenMP threads of the learner and of
 vLLM fight over both cores; pinned, they overlap at ~8% contention (shared/notes/cpu-stack.md).
 
 NOTE mechanism: CPU affinity is inherited at fork, so a replica started by a pinned learner would
 inherit the learner's cores. The pool therefore passes the replica's own CPU list in the
-environment (`MEGATRON_ASYNC_CPUS`), and the replica process pins itself first thing in its
-`main()`, before vLLM or torch start any thread (threads inherit the affinity of their creator),
-and sets OMP_NUM_THREADS / torch threads to the number of its cores. With `replica_cpus` empty and
-`learner_cpus` set, the replica is given back the CPUs the learner had before pinning itself.
-vLLM's own `VLLM_CPU_OMP_THREADS_BIND` is only read by its multi-process executor; the replicas run
-vLLM in single-process mode on CPU (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), where it has no effect.
+environment (`MEGATRON_ASYNC_CPUS`); the launcher (rollout/launcher.py) sets it as the affinity of
+the replica's supervisor before it runs anything, so the vLLM server, its engine core and its
+workers inherit it, and vLLM's own `VLLM_CPU_OMP_THREADS_BIND` binds its OpenMP threads to those
+CPUs. With `replica_cpus` empty and `learner_cpus` set, the replica is given back the CPUs the
+learner had before pinning itself.
 """
 from __future__ import annotations
 
@@ -91,13 +90,5 @@ def replica_pin_env(replica_cpus: str) -> dict[str, str]:
         cpus = sorted(_ORIGINAL_AFFINITY)
     if not cpus:
         return {}
-    return {REPLICA_CPUS_ENV: format_cpu_list(cpus), "OMP_NUM_THREADS": str(len(cpus))}
-
-
-def pin_replica_from_env() -> list[int]:
-    """Called first thing in a replica process: pin to $MEGATRON_ASYNC_CPUS if set."""
-    text = os.environ.get(REPLICA_CPUS_ENV, "")
-    cpus = parse_cpu_list(text)
-    if cpus:
-        pin_current_process(cpus)
-    return cpus
+    return {REPLICA_CPUS_ENV: format_cpu_list(cpus), "OMP_NUM_THREADS": str(len(cpus)),
+            "VLLM_CPU_OMP_THREADS_BIND": format_cpu_list(cpus)}

@@ -1,8 +1,7 @@
 """Replica servers on this machine: `LocalLauncher` starts, reports on and kills them.
 
-Each replica's `vllm serve` runs under a small supervisor (`python -m megatron_async.rollout.launcher`,
-`main` below) in a session of its own, so the API server, vLLM's engine-core process and its
-workers form one process group:
+Each replica's `vllm serve` runs under a small supervisor (`rollout/supervisor.py`) in a session
+of its own, so the API server, vLLM's engine-core process and its workers form one process group:
 - `kill` signals the whole group: no engine process outlives its replica (a leftover engine on a
   GPU holds its weights and KV cache and blocks the restart);
 - the supervisor watches the process that launched it and kills the group when that process is
@@ -23,8 +22,11 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from megatron_async.cluster.cpu_affinity import pin_replica_from_env
+from megatron_async.cluster.cpu_affinity import REPLICA_CPUS_ENV, parse_cpu_list
 from megatron_async.rollout.replica import ReplicaClient, ReplicaSpec, server_command, server_env
+from megatron_async.rollout.supervisor import signal_group
+
+SUPERVISOR = Path(__file__).with_name("supervisor.py")
 
 TORCHRUN_VARS = {
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
@@ -64,11 +66,12 @@ class LocalLauncher:
         env.update(server_env(self.spec, self.key))
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.devices[rid]
-        cmd = [sys.executable, "-m", "megatron_async.rollout.launcher", str(os.getpid()), "--",
-               *server_command(self.spec, self.host, port, self.gpu)]
+        cmd = [sys.executable, str(SUPERVISOR), str(os.getpid()), "--", *server_command(self.spec, self.host, port, self.gpu)]
+        cpus = parse_cpu_list(env.get(REPLICA_CPUS_ENV, ""))  # rollout.replica_cpus: inherited by the whole group
         with open(self.log_path(rid), "ab") as log:
             self._procs[rid] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                                env=env, start_new_session=True)
+                                                env=env, start_new_session=True,
+                                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
 
     def wait_ready(self, rid: int, client: ReplicaClient) -> int:
         """The supervisor's pid once replica `rid` answers /health; PoolError if it exits or times out."""
@@ -93,12 +96,12 @@ class LocalLauncher:
         if proc is None:
             return
         if grace_s and proc.poll() is None:
-            _signal_group(proc.pid, signal.SIGTERM)
+            signal_group(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(grace_s)
             except subprocess.TimeoutExpired:
                 pass
-        _signal_group(proc.pid, signal.SIGKILL)  # the group may outlive its leader: always sweep it
+        signal_group(proc.pid, signal.SIGKILL)  # the group may outlive its leader: always sweep it
         try:
             proc.wait(10.0)
         except subprocess.TimeoutExpired:
@@ -114,43 +117,3 @@ class LocalLauncher:
     def close(self) -> None:
         for rid in self._procs:
             self.kill(rid)
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def main() -> None:
-    """Supervisor: `python -m megatron_async.rollout.launcher PARENT_PID -- CMD...`.
-
-    Runs CMD (the server) in this session's process group and ends the whole group when CMD
-    exits, when SIGTERM arrives, or when PARENT_PID is no longer this process's parent. Pins
-    itself first to rollout.replica_cpus (cluster/cpu_affinity.py): the server's processes inherit it.
-    """
-    pin_replica_from_env()
-    parent, cmd = int(sys.argv[1]), sys.argv[sys.argv.index("--") + 1:]
-    child = subprocess.Popen(cmd)
-
-    def end_group(code: int) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        _signal_group(0, signal.SIGTERM)  # the server shuts its engine down cleanly on SIGTERM
-        deadline = time.monotonic() + 10.0
-        while child.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        _signal_group(0, signal.SIGKILL)  # ends this process too
-        os._exit(code)
-
-    signal.signal(signal.SIGTERM, lambda *_: end_group(143))
-    while True:
-        if (code := child.poll()) is not None:
-            end_group(code)
-        if os.getppid() != parent:
-            end_group(3)
-        time.sleep(0.5)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,47 @@
+"""Supervisor of one replica server: `python supervisor.py PARENT_PID -- CMD...` (run by path).
+
+Runs CMD (vLLM's API server) in this session's process group and ends the whole group (server,
+engine core, workers) when CMD exits, when SIGTERM arrives, or when PARENT_PID is no longer this
+process's parent (the learner that started it died: vLLM has no parent-death handling of its own).
+
+Standard library only, and started by path rather than `-m`, so that it imports nothing of the
+package (no torch): it costs a few MB per replica, not a few hundred.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def main() -> None:
+    parent, cmd = int(sys.argv[1]), sys.argv[sys.argv.index("--") + 1:]
+    child = subprocess.Popen(cmd)
+
+    def end_group(code: int) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal_group(0, signal.SIGTERM)  # the server shuts its engine down cleanly on SIGTERM
+        deadline = time.monotonic() + 10.0
+        while child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        signal_group(0, signal.SIGKILL)  # ends this process too
+        os._exit(code)
+
+    signal.signal(signal.SIGTERM, lambda *_: end_group(143))
+    while True:
+        if (code := child.poll()) is not None:
+            end_group(code)
+        if os.getppid() != parent:
+            end_group(3)
+        time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    main()
