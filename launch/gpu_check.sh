@@ -24,7 +24,7 @@
 #                  bf16 + DistributedOptimizer, NaN guard, checkpoint round trip, HF export, parity
 #   learner_bench  ~0.89B LLaMA, TP=1, bf16: step time, tokens/s, MFU, memory by component vs
 #                  docs/scaling.md (tools/gpu_bench.py learner)
-#   weights_bench  weights/buckets.py + weights/nccl.py packing and checksums on GPU tensors (GB/s)
+#   weights_bench  weights/buckets.py packing and checksums of GPU tensors (GB/s)
 #   batch_prep     RLOO and PPO batch preparation on the GPU through megatron_async.algorithms
 #   vllm           tests/test_gpu_sync.py + vLLM tokens/s and weight sync (skipped without vLLM)
 #   te             the learner benchmark with the Transformer Engine spec (skipped without TE)

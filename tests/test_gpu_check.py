@@ -46,7 +46,7 @@ def test_dry_run_walks_every_phase(tmp_path):
     learner = results["learner_bench"]
     assert learner["parameters"] > 0 and learner["tokens_per_s"] > 0 and learner["skipped"] == 0
     assert learner["versus_docs_scaling"]["grad_bytes_per_param"]["measured"] == pytest.approx(4.0, rel=0.01)
-    assert results["weights_bench"]["round_trip_equal"] and results["weights_bench"]["device_views_equal"]
+    assert results["weights_bench"]["round_trip_equal"]
     for algo in ("rloo", "ppo"):
         assert results["batch_prep"][algo]["tensors_off_device"] == []
         assert "advantages" in results["batch_prep"][algo]["keys"]

@@ -241,13 +241,11 @@ def learner_bench(args, out_dir: Path | None = None) -> dict:
 
 
 def weights_bench(args) -> dict:
-    """weights/buckets.py and weights/nccl.py on GPU tensors: host packing (device -> host copy into
-    the safetensors layout, with its CRC32), CRC32 alone, unpacking, the NCCL transport's on-device
-    packing and its device checksum, in GB/s."""
+    """weights/buckets.py on GPU tensors: host packing (device -> host copy into the safetensors
+    layout, with its CRC32), CRC32 alone and unpacking, in GB/s."""
     import torch
 
-    from megatron_async.weights import nccl
-    from megatron_async.weights.buckets import checksum, device_checksum, pack_bucket, unpack_bucket
+    from megatron_async.weights.buckets import checksum, pack_bucket, unpack_bucket
 
     dev = torch.device("cuda" if args.cuda else "cpu")
     sync = torch.cuda.synchronize if args.cuda else (lambda: None)
@@ -273,11 +271,6 @@ def weights_bench(args) -> dict:
     s, views = timed(lambda: unpack_bucket(bucket.payload, bucket.checksum))
     out["unpack_bucket_gb_per_s"] = nbytes / s / 1e9
     out["round_trip_equal"] = all(torch.equal(views[n].to(dev), t) for n, t in tensors)
-    s, (buf, layout) = timed(lambda: nccl.pack(tensors, dev))
-    out["nccl_pack_on_device_gb_per_s"] = nbytes / s / 1e9
-    s, dsum = timed(lambda: device_checksum(buf))
-    out["device_checksum_gb_per_s"] = buf.numel() / s / 1e9
-    out["device_views_equal"] = all(torch.equal(nccl.views(buf, layout)[n], t) for n, t in tensors)
     return out
 
 

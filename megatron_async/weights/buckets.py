@@ -11,14 +11,13 @@ A weight sync streams a model as a sequence of buckets. `iter_buckets` turns a l
 - Order: buckets follow the input order (`Bucket.names` too); inside one payload tensors are laid
   out by falling element size (every tensor stays aligned), which loading does not depend on.
 - Layout: a payload is a valid safetensors file (8-byte header length, JSON header padded to 8
-  bytes, raw data), written straight into a buffer the transport provides (`alloc`: a bytearray
-  for the socket, the shared-memory segment for shm), and read back zero-copy by `unpack_bucket`
+  bytes, raw data), written straight into a buffer the carrier provides (`alloc`: a bytearray
+  for http, the shared-memory segment for shm), and read back zero-copy by `unpack_bucket`
   (torch.frombuffer views into the payload).
 - Integrity: each bucket carries the CRC32 of its payload; `unpack_bucket` refuses a payload
   whose CRC32 differs (`BucketChecksumError`). CRC32 guards against corruption and truncation
-  (~4 GB/s here); authenticity comes from the connection's authkey, not from the checksum.
-  Device buffers (the NCCL transport) use `device_checksum` instead: CRC32 would need the bytes
-  on the host.
+  (~4 GB/s here); authenticity comes from the replica's key, not from the checksum.
+  `device_checksum` sums a device buffer in place (CRC32 would need the bytes on the host).
 """
 from __future__ import annotations
 
@@ -131,8 +130,8 @@ def unpack_bucket(payload: bytes | bytearray | memoryview, expected_checksum: in
     header.pop("__metadata__", None)
     out = {}
     with warnings.catch_warnings():
-        # NOTE: a socket payload is read-only `bytes`; the views are only read (reload_weights
-        # copies them into the model), so torch's "buffer is not writable" warning does not apply.
+        # NOTE: an http payload is read-only `bytes`; the views are only read (the engine
+        # copies them out), so torch's "buffer is not writable" warning does not apply.
         warnings.simplefilter("ignore", UserWarning)
         for name, info in header.items():
             dtype, shape = TORCH_DTYPES[info["dtype"]], info["shape"]

@@ -1,15 +1,14 @@
-"""Shared-memory transport for weight sync to replicas on the learner's host.
+"""Shared-memory carrier for weight sync to replicas on the learner's host.
 
 The sender packs each bucket straight into a file in /dev/shm (`ShmSegment`, mode 0600, sized
 for a bucket and reused for the sender's life; WeightSender alternates two) and sends the replica
-only its path, size and CRC32 over the control socket; the replica's worker maps the file
-read-only (`open_segment`) and loads the bucket through zero-copy views. The bytes never cross a
-socket.
+only its path, size and CRC32 in the `/update_weights` request; the replica's weight-transfer
+engine (weights/cpu_engine.py) maps the file read-only (`open_segment`) and copies the bucket's
+tensors out. The bytes never cross a socket.
 
 Safety:
 - No bucket is overwritten while it is read: the sender rewrites a segment only after every
-  replica answered the bucket in it, and the worker clones what it keeps across buckets (held
-  fused shards).
+  replica answered the bucket in it, and the engine copies every tensor out of the segment.
 - Cleanup: `ShmSegment.close()` (and a `weakref.finalize` at garbage collection or interpreter
   exit) unlinks the file; a replica's mapping then lives until it drops it at the end of the update.
   Only a SIGKILLed sender leaves a `mas-wsync-*` file behind.
@@ -63,7 +62,7 @@ class ShmSegment:
             except OSError as e:
                 raise OSError(
                     e.errno, f"cannot reserve {size / 2**20:.0f} MiB in {SHM_DIR} ({free_bytes() / 2**20:.0f} MiB free): "
-                    f"lower rollout.sync_bucket_mb or set rollout.weight_transport=socket"
+                    f"lower rollout.sync_bucket_mb or set rollout.weight_transport=http"
                 ) from e
             self._mm = mmap.mmap(fd, size)
         except BaseException:
@@ -97,7 +96,7 @@ def open_segment(path: str) -> mmap.mmap:
     except FileNotFoundError:
         raise FileNotFoundError(
             f"shared-memory segment {path} not found: the sender closed it, or the replica is not on "
-            f"the sender's host (use rollout.weight_transport=socket)"
+            f"the sender's host (use rollout.weight_transport=http)"
         ) from None
     try:
         return mmap.mmap(fd, 0, prot=mmap.PROT_READ)
