@@ -84,7 +84,7 @@ def sync(pool, model_dir: Path | None, version: int, replica_ids=None, *, named=
          transport: str = "auto", bucket_bytes: int = SMALL_BUCKET, timeout_s: float = 60.0) -> tuple[dict, list[int]]:
     """One weight update as learner rank 0 and a single stage sender run it: `begin_update`, the
     stage's `WeightSender.push` into the replicas that opened, `finish_update(version)` on those the
-    push reached. Returns (push metrics, ids of the replicas that published `version`)."""
+    push reached (the others abandon it). Returns (push metrics, ids of the replicas that published `version`)."""
     from megatron_async.weights.sync import WeightSender
 
     opened = pool.begin_update(replica_ids, mode, timeout_s)
@@ -93,7 +93,18 @@ def sync(pool, model_dir: Path | None, version: int, replica_ids=None, *, named=
     with WeightSender(urls, pool.key, timeout_s=timeout_s, bucket_bytes=bucket_bytes, transport=transport) as sender:
         metrics = sender.push(iter(state_dict(model_dir).items()) if named is None else named)
     reached = [i for i in opened if pool.urls[i] not in metrics["failed"]]
-    return metrics, pool.finish_update(version, reached)
+    return metrics, pool.finish_update(version, reached, [i for i in opened if i not in reached])
+
+
+def resync(pool) -> None:
+    """Hand a test's shared pool over with every replica up and on the current version: a replica
+    an earlier test killed or left behind is waited for and given `pool.held` (the checkpoint of
+    the current version) as the learner would."""
+    behind = [r.replica_id for r in pool.replicas_needing_weights()]  # waits for a restarting replica
+    if behind:
+        _, done = sync(pool, pool.held, pool.current_version, behind)
+        assert done == behind, f"re-sync of {behind} reached only {done}"
+    assert not pool.replicas_needing_weights(wait_s=0)
 
 
 def process_tree(pid: int) -> list:

@@ -28,7 +28,7 @@ import pytest
 from megatron_async.rollout import PoolError, ReplicaPool, ReplicaSpec, Sampling
 from megatron_async.rollout.pool import GENERATE_ROUTE
 from megatron_async.rollout.replica import auth_headers, server_command, server_env
-from tests.rollout_fixtures import LOGPROB_TOL, gone, max_logprob_diff, process_tree, spec, sync, wait_for
+from tests.rollout_fixtures import LOGPROB_TOL, gone, max_logprob_diff, process_tree, resync, spec, sync, wait_for
 
 PROMPTS = [[1, 5 + i, 6, 7 + 2 * i][: 2 + i % 3] for i in range(12)]
 STOP_IDS = tuple(range(100, 130))
@@ -93,11 +93,7 @@ def shared_pool(models, tmp_path_factory):
 @pytest.fixture
 def pool(shared_pool):
     """The module's pool, every replica up and on its current version (`shared_pool.held`)."""
-    behind = [r.replica_id for r in shared_pool.replicas_needing_weights()]  # waits for a restarting replica
-    if behind:
-        _, done = sync(shared_pool, shared_pool.held, shared_pool.current_version, behind)
-        assert done == behind
-    assert not shared_pool.replicas_needing_weights(wait_s=0)
+    resync(shared_pool)
     return shared_pool
 
 

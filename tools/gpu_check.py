@@ -184,7 +184,7 @@ def gpu_tests(args) -> dict:
     # --continue-on-collection-errors: a test module that needs a package this machine lacks (and
     # that conftest does not know as optional) must not keep the GPU tests from running
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", *PYTEST_PLUGINS_OFF, "--continue-on-collection-errors",
-           "--ignore=tests/test_gpu_sync.py", f"--junitxml={xml}", "tests/"]
+           f"--junitxml={xml}", "tests/"]
     r = _run(cmd, timeout=args.budget)
     out = {"command": " ".join(cmd[1:]), "rc": r["rc"], "pytest_tail": r["tail"][-2500:],
            "transformer_engine": _have("transformer_engine")}
@@ -359,23 +359,21 @@ def _build_algorithm(algorithms, name: str, k: int):
 
 
 def vllm(args) -> dict:
-    """vLLM on the GPU: the `gpu` tests of tests/test_gpu_sync.py (NCCL weight sync to a replica; 2 GPUs)
-    and tools/gpu_bench.py's vllm phase (generation tokens/s and weight-sync seconds on one GPU)."""
+    """vLLM on the GPU: tools/gpu_bench.py's vllm phase (generation tokens/s on one GPU). Weight sync
+    to a GPU replica goes through vLLM's NCCL weight-transfer backend, which the sender does not
+    drive yet (weights/sync.py); the NCCL sync test of the old transport was removed with it."""
     if not _have("vllm"):
         return {"status": "skipped", "reason": "vLLM is not installed (the lent GPU machine has none; 336 MB wheels "
                                                 "do not fit the 64 MiB carried in)"}
     if not args.cuda:
         return {"status": "skipped", "reason": "no CUDA: the vLLM GPU checks need a GPU"}
-    xml = Path(args.out) / "vllm_tests.xml"
-    tests = _run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", *PYTEST_PLUGINS_OFF,
-                  f"--junitxml={xml}", "tests/test_gpu_sync.py"], timeout=args.budget / 2)
-    out = {"tests": {"rc": tests["rc"], **_junit(xml)}}
+    out: dict = {}
     bench_dir = Path(args.out) / "vllm_bench"
-    bench = _run([sys.executable, "tools/gpu_bench.py", "vllm", "--out", str(bench_dir)], timeout=args.budget / 2)
+    bench = _run([sys.executable, "tools/gpu_bench.py", "vllm", "--out", str(bench_dir)], timeout=args.budget)
     out["bench"] = json.loads((bench_dir / "vllm.json").read_text()) if (bench_dir / "vllm.json").exists() else {
         "rc": bench["rc"], "tail": bench["tail"]}
-    if tests["rc"] not in (0,) or "rc" in out["bench"]:
-        out["status"], out["error"] = "failed", "see tests / bench"
+    if "rc" in out["bench"]:
+        out["status"], out["error"] = "failed", "see bench"
     return out
 
 
