@@ -136,9 +136,10 @@ class ReplicaPool:
         self.max_inflight_seqs = max_inflight_seqs
         self.current_version = spec.initial_version
         self.requeues = 0
-        gpu = torch.cuda.is_available()
+        self.gpu = torch.cuda.is_available()
         self._launcher = None if urls else LocalLauncher(
-            spec, host, self.key, Path(log_dir or tempfile.mkdtemp(prefix="replicas-")), start_timeout_s, gpu, env, devices)
+            spec, host, self.key, Path(log_dir or tempfile.mkdtemp(prefix="replicas-")), start_timeout_s, self.gpu, env,
+            devices)
         if urls:
             addresses = [(u.rstrip("/"), None) for u in urls]
         else:
@@ -325,21 +326,36 @@ class ReplicaPool:
 
         return self._on_each(targets, open_one, "begin")
 
-    def finish_update(self, version: int, replica_ids: Sequence[int]) -> list[int]:
-        """Publish `version` on the replicas whose every stage arrived, resume them; returns those
-        that published. The others stay paused and not fresh until a later full update."""
-        targets = [r for r in self._replicas if r.id in replica_ids]
+    def finish_update(self, version: int, complete: Sequence[int], abandoned: Sequence[int] = ()) -> list[int]:
+        """Publish `version` on the `complete` replicas (every stage's buckets arrived) and resume
+        them; close the update without a version on the `abandoned` ones (a stage failed there:
+        they stay out of dispatch until a later full update). Returns the replicas that published."""
+        verify = self.spec.weight_backend(self.gpu) != "nccl"
 
-        def finish_one(rep: _Replica) -> None:
+        def publish(rep: _Replica) -> None:
+            if verify:
+                rep.client.verify_weight_update()
             rep.client.finish_weight_update(version)
             rep.client.resume()
             with self._lock:
                 rep.version, rep.weights_ok = version, True
 
+        def abandon(rep: _Replica) -> None:
+            with self._lock:
+                rep.weights_ok = False
+            try:  # NOTE: fails when the failed bucket already closed vLLM's update session; harmless
+                rep.client.finish_weight_update(None)
+            except ReplicaError:
+                pass
+            rep.client.resume()
+
         with self._changed:
             self.current_version = max(self.current_version, version)  # the others are stale from here
         try:
-            return self._on_each(targets, finish_one, "finish")
+            published = self._on_each([r for r in self._replicas if r.id in complete], publish, "finish")
+            closing = [r for r in self._replicas if r.up and (r.id in abandoned or (r.id in complete and r.id not in published))]
+            self._on_each(closing, abandon, "abandon")
+            return published
         finally:
             with self._changed:
                 self._update_open = False

@@ -137,7 +137,10 @@ class ReplicaClient:
     def __init__(self, url: str, key: str, timeout_s: float = 60.0, label: str | None = None):
         self.url, self.key, self.timeout_s = url.rstrip("/"), key, timeout_s
         self.label = label or f"replica at {self.url}"
-        self._http = httpx.Client(base_url=self.url, headers=auth_headers(key), timeout=timeout_s, trust_env=False)
+        # NOTE: no keep-alive: after a route failed with a 500, reusing its connection could meet
+        # the server's close and read as a lost replica. Control calls are few; a connection each.
+        self._http = httpx.Client(base_url=self.url, headers=auth_headers(key), timeout=timeout_s, trust_env=False,
+                                  limits=httpx.Limits(max_keepalive_connections=0))
 
     def request(self, method: str, path: str, *, timeout_s: float | None = None, **kwargs) -> dict:
         try:
@@ -180,8 +183,13 @@ class ReplicaClient:
     def update_weights(self, update_info: dict) -> None:
         self.request("POST", "/update_weights", json={"update_info": update_info})
 
-    def finish_weight_update(self, version: int) -> None:
-        self.request("POST", "/finish_weight_update", json={"weight_version": str(version)})
+    def verify_weight_update(self) -> None:
+        """`mas_cpu`: fail (closing the update) unless every parameter was sent (weights/cpu_engine.py)."""
+        self.update_weights({"verify": True})
+
+    def finish_weight_update(self, version: int | None) -> None:
+        """Close the update; with `version`, publish it as the replica's weight_version."""
+        self.request("POST", "/finish_weight_update", json=None if version is None else {"weight_version": str(version)})
 
     def close(self) -> None:
         self._http.close()

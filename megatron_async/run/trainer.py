@@ -206,7 +206,7 @@ class Trainer:
         if self.rollout is not None:
             failed = {u for f in failed_urls if f for u in f}
             complete = [i for i in opened if self.replica_urls[i] not in failed]
-            published = self.rollout.pool.finish_update(version, complete)
+            published = self.rollout.pool.finish_update(version, complete, [i for i in opened if i not in complete])
             refusing = self.rollout.pool.up([i for i in opened if i not in published])
             if opened and not published and refusing:
                 verdict = f"weight sync of version {version} reached no replica; replicas {refusing} are up and refused it"

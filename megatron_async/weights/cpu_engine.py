@@ -30,8 +30,11 @@ Invariants, per update (start -> update* -> finish), the same as vLLM's checkpoi
 - A bucket that fails (bad checksum, missing segment) ends the update: vLLM's worker closes its
   session, and the layers still waiting for weights are restored as they were
   (`abort_layerwise_reload`), so that a later full update starts clean.
-- finish fails if any model parameter was not covered by the update (a sync replaces every
-  weight or is reported failed), then re-packs a tied `lm_head` from the new embedding.
+- A last `{"verify": true}` call fails if any model parameter was not covered by the update (a
+  sync replaces every weight or is reported failed). It is an update call, not part of finish,
+  because a failing `update_weights` closes vLLM's update session while a failing
+  `finish_weight_update` leaves it open, and no later update could start. finish then re-packs a
+  tied `lm_head` from the new embedding.
 """
 from __future__ import annotations
 
@@ -56,14 +59,15 @@ class CpuInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class CpuUpdateInfo(WeightTransferUpdateInfo):
-    checksum: int
+    checksum: int = 0  # CRC32 of the bucket's payload
     shm: str | None = None  # a /dev/shm/mas-wsync-* segment on this host ...
     size: int = 0  # ... and the bucket's length in it
     data: str | None = None  # or the payload, base64
+    verify: bool = False  # no bucket: check that the update covered every parameter
 
     def __post_init__(self):
-        if (self.shm is None) == (self.data is None):
-            raise ValueError("update_info needs exactly one of 'shm' (with 'size') or 'data'")
+        if not self.verify and (self.shm is None) == (self.data is None):
+            raise ValueError("update_info needs exactly one of 'shm' (with 'size') or 'data', or 'verify'")
 
 
 def abort_layerwise_reload(model) -> None:
@@ -118,6 +122,7 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
         self._loaded: set[str] | None = None  # parameter names loaded in the open update
+        self._expected: set[str] = set()  # parameter names the open update must cover
 
     def init_transfer_engine(self, init_info: CpuInitInfo) -> None:
         pass
@@ -125,6 +130,11 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        # NOTE: the names to cover are taken before the layerwise reload: it puts each layer's
+        # tensors on the meta device one layer at a time, so a tied lm_head gets a meta weight of
+        # its own and `named_parameters` lists `lm_head.weight`, which no update sends (measured:
+        # every sync of a tied model failed verify). Before it, the tied head is the embedding.
+        self._expected = {n for n, _ in self.model.named_parameters()}
         initialize_layerwise_reload(self.model)
         self._loaded = set()
 
@@ -141,6 +151,12 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
     def receive_weights(self, update_info: CpuUpdateInfo) -> None:
         if self._loaded is None:
             raise RuntimeError("update_weights before start_weight_update")
+        if update_info.verify:
+            params = self._expected
+            if missing := sorted(params - self._loaded):
+                raise RuntimeError(f"weight update incomplete: {len(missing)} of {len(params)} parameters not sent, "
+                                   f"e.g. {missing[:5]}")
+            return
         if update_info.shm is not None:
             mapping = open_segment(update_info.shm)
             if update_info.size > len(mapping):
@@ -155,13 +171,8 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        loaded, self._loaded = self._loaded or set(), None
+        self._loaded = None
         finalize_layerwise_reload(self.model, self.model_config)
-        params = {n for n, _ in self.model.named_parameters()}
-        missing = sorted(params - loaded)
-        if missing:
-            raise RuntimeError(f"weight update incomplete: {len(missing)} of {len(params)} parameters not sent, "
-                               f"e.g. {missing[:5]}")
         refresh_tied_head(self.model)
 
     def shutdown(self) -> None:

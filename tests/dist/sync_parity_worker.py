@@ -78,7 +78,8 @@ def run_layout(model_dir: Path, tp: int, pp: int, pool, urls, key, first_version
         dist.all_gather_object(failed, sorted(sync.get("failed", {})))
         payload, published = [None], [0]
         if dist.get_rank() == 0:
-            published = [len(pool.finish_update(version, opened[0] if not any(failed) else []))]
+            complete = opened[0] if not any(failed) else []
+            published = [len(pool.finish_update(version, complete, [i for i in opened[0] if i not in complete]))]
             records = pool.generate(prompts, Sampling(n=N, max_tokens=NEW_TOKENS, ignore_eos=True, seed=rnd))
             payload = [[(list(r.prompt_token_ids) + list(r.token_ids), list(r.logprobs), r.policy_version) for r in records]]
         dist.broadcast_object_list(payload, src=0)
