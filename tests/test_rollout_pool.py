@@ -22,7 +22,6 @@ import threading
 import time
 
 import httpx
-import psutil
 import pytest
 
 from megatron_async.rollout import PoolError, ReplicaPool, ReplicaSpec, Sampling

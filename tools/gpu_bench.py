@@ -213,9 +213,10 @@ def vllm_phase(args) -> dict:
                 t = time.perf_counter()
                 opened = pool.begin_update(None, "between_batches", timeout_s=300)
                 m = sender.push(iter(weights.items()))
-                pool.finish_update(version, opened)
+                published = pool.finish_update(version, [i for i in opened if pool.urls[i] not in m["failed"]])
                 seconds = time.perf_counter() - t
-                syncs.append({"seconds": seconds, "gb_per_s": m["bytes_total"] / seconds / 1e9, "bytes": m["bytes"]})
+                syncs.append({"seconds": seconds, "gb_per_s": m["bytes_total"] / seconds / 1e9, "bytes": m["bytes"],
+                              "published": published, "failed": m["failed"]})
         out["sync"] = {"per_update": syncs, "seconds_mean": sum(s["seconds"] for s in syncs) / len(syncs)}
     _write(Path(args.out) / "vllm.json", out)
     return out
