@@ -255,6 +255,24 @@ def test_missing_segment_fails_loudly(pool, models, monkeypatch):
 
 
 @pytest.mark.integration
+def test_incomplete_update_is_not_published_and_the_next_full_sync_works(pool, models):
+    """Every bucket arrives but half the weights were never sent (a pipeline stage missing): the
+    engine's verify step refuses to publish, on both replicas; the update is closed there, so the
+    next full sync starts and publishes normally."""
+    v = pool.current_version
+    target = other(models, pool.held)
+    items = list(state_dict(target).items())
+    metrics, done = sync(pool, None, v + 1, named=iter(items[: len(items) // 2]))
+    assert not metrics["failed"] and metrics["replicas"] == 2 and done == []
+    assert [(s["version"], s["weights_ok"]) for s in pool.health_check()] == [(v, False)] * 2
+    assert [r.replica_id for r in pool.replicas_needing_weights(wait_s=0)] == [0, 1]
+    metrics, done = sync(pool, target, v + 1)
+    assert done == [0, 1] and not metrics["failed"]
+    pool.held = target
+    sample_and_check(pool, target, v + 1)
+
+
+@pytest.mark.integration
 def test_shm_and_http_carriers_give_identical_samples_and_logprobs(pool, models):
     v = pool.current_version
     a = other(models, pool.held)
