@@ -17,7 +17,6 @@ A weight sync streams a model as a sequence of buckets. `iter_buckets` turns a l
 - Integrity: each bucket carries the CRC32 of its payload; `unpack_bucket` refuses a payload
   whose CRC32 differs (`BucketChecksumError`). CRC32 guards against corruption and truncation
   (~4 GB/s here); authenticity comes from the replica's key, not from the checksum.
-  `device_checksum` sums a device buffer in place (CRC32 would need the bytes on the host).
 """
 from __future__ import annotations
 
@@ -54,24 +53,6 @@ class Bucket:
 def checksum(payload: bytes | bytearray | memoryview) -> int:
     """CRC32 of a payload, as an unsigned int."""
     return zlib.crc32(payload) & 0xFFFFFFFF
-
-
-def device_checksum(data: torch.Tensor, chunk_words: int = 1 << 23) -> int:
-    """Checksum of a flat uint8 tensor whose length is a multiple of 8, computed where it lives.
-
-    Sum over 64-bit words w_i of w_i * (2i + 1), modulo 2**64 (integer sums are exact in any
-    order, so sender and receiver GPUs agree). The multipliers are odd, hence invertible: any
-    single changed word changes the sum. Chunked to bound the temporary memory.
-    """
-    if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() % 8:
-        raise ValueError(f"device_checksum needs a flat uint8 tensor of a multiple of 8 bytes, got {data.dtype} {tuple(data.shape)}")
-    words = data.view(torch.int64)
-    total = torch.zeros((), dtype=torch.int64, device=data.device)
-    for start in range(0, words.numel(), chunk_words):
-        chunk = words[start : start + chunk_words]
-        odd = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=data.device) * 2 + 1
-        total += (chunk * odd).sum()
-    return int(total.item()) & 0xFFFFFFFFFFFFFFFF
 
 
 def pack_bucket(
