@@ -201,13 +201,15 @@ def test_update_during_generation_gives_records_spanning_two_versions(pool, mode
     them, and they go on: their `weight_versions` spans name both versions."""
     v = pool.current_version
     new = next(m for m in models if m != pool.held)
-    prompts = [[1, 3 + i, 4] for i in range(16)]
+    # NOTE sized so that generation outlasts the polling below on a quiet machine too (~2.7k tok/s
+    # on this model: 64 x 4 x 240 tokens take tens of seconds; 16 x 2 x 200 ended within 2 s)
+    prompts = [[1, 3 + i % 200, 4] for i in range(64)]
     result = {}
     gen = threading.Thread(target=lambda: result.update(
-        r=pool.generate(prompts, Sampling(n=2, max_tokens=200, ignore_eos=True, seed=0), timeout_s=300)))
+        r=pool.generate(prompts, Sampling(n=4, max_tokens=240, ignore_eos=True, seed=0), timeout_s=300)))
     gen.start()
     try:
-        wait_for(lambda: all(requests_running(u, pool.key) > 0 for u in pool.urls), 60, "both replicas to generate")
+        wait_for(lambda: any(requests_running(u, pool.key) > 0 for u in pool.urls), 60, "the replicas to generate")
         metrics, done = sync(pool, new, v + 1, mode="during_generation")
         assert done == [0, 1] and not metrics["failed"]
         pool.held = new
@@ -215,7 +217,7 @@ def test_update_during_generation_gives_records_spanning_two_versions(pool, mode
     finally:
         gen.join(300)
     records = result["r"]
-    assert len(records) == 32 and all(len(r.token_ids) == 200 for r in records)
+    assert len(records) == 256 and all(len(r.token_ids) == 240 for r in records)
     spans = {(r.policy_version, r.policy_version_max) for r in records}
     assert (v, v + 1) in spans and spans <= {(v, v), (v, v + 1), (v + 1, v + 1)}, spans
     after = pool.generate(PROMPTS, Sampling(n=2, max_tokens=8, seed=1))
@@ -235,12 +237,12 @@ def test_killed_replica_loses_no_prompt_and_serves_again_only_with_current_weigh
     killed = process_tree(old_pid)
     server = [p for p in killed if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())]
     assert server and len(killed) >= 3, [(p.pid, p.name()) for p in killed]
-    prompts = [[1, 3 + i, 4] for i in range(32)]
+    prompts = [[1, 3 + i % 200, 4] for i in range(64)]  # long enough to be killed mid-way on a quiet machine too
     result, error = {}, {}
 
     def run():
         try:
-            result["r"] = pool.generate(prompts, Sampling(n=2, max_tokens=150, ignore_eos=True, seed=0), timeout_s=300)
+            result["r"] = pool.generate(prompts, Sampling(n=4, max_tokens=240, ignore_eos=True, seed=0), timeout_s=300)
         except BaseException as e:  # noqa: BLE001 - reported below
             error["e"] = e
 
@@ -253,8 +255,8 @@ def test_killed_replica_loses_no_prompt_and_serves_again_only_with_current_weigh
         gen.join(300)
     assert not error, error
     records = result["r"]
-    assert sorted((r.prompt_index, r.sample_index) for r in records) == [(i, j) for i in range(32) for j in range(2)]
-    assert all(len(r.token_ids) == 150 for r in records) and {r.policy_version for r in records} == {v}
+    assert sorted((r.prompt_index, r.sample_index) for r in records) == [(i, j) for i in range(64) for j in range(4)]
+    assert all(len(r.token_ids) == 240 for r in records) and {r.policy_version for r in records} == {v}
     assert pool.stats()["requeues"] > requeues
 
     stale = pool.replicas_needing_weights()  # waits for the restart

@@ -19,6 +19,8 @@ GSM8K = next((p for p in (REPO.parent / "shared" / "data" / "gsm8k", Path("/work
 needs_package = pytest.mark.skipif(bool(smollm2.missing_requirements()),
                                    reason=f"needs {smollm2.INSTALL_HINT} (missing: {smollm2.missing_requirements()})")
 needs_gsm8k = pytest.mark.skipif(not (GSM8K / "test.jsonl").is_file(), reason=f"real GSM8k not at {GSM8K}")
+# the shipped config names the data relative to the checkout; point it at where it was found
+DATA = [f"data.train={GSM8K / 'train.jsonl'}", f"data.eval={GSM8K / 'test.jsonl'}"]
 
 
 def cli(*words: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -71,7 +73,7 @@ def test_real_gsm8k_prompts_in_smollm2s_chat_template(exported):
     from megatron_async.data import load_prompts
     from megatron_async.run.preflight import preflight
 
-    cfg = load_config(REPO / "configs" / "cpu_smollm2_gsm8k.yaml", [f"model.hf_path={exported}"])
+    cfg = load_config(REPO / "configs" / "cpu_smollm2_gsm8k.yaml", [f"model.hf_path={exported}", *DATA])
     preflight(cfg)  # the shipped config passes every check against the real model and data
     tok = AutoTokenizer.from_pretrained(str(exported))
     prompts, dropped = load_prompts(cfg, tok, cfg.data.eval, "test", 8)
@@ -92,7 +94,7 @@ def test_two_seeded_rl_steps_on_real_gsm8k(exported, tmp_path):
              "data.eval_size=2", "rollout.kv_cache_gib=0.25", "trainer.micro_batch_size=4", "tracking.enabled=false",
              "parallel.learner_cpus=", "rollout.replica_cpus="]
     proc = cli("train", str(REPO / "configs" / "cpu_smollm2_gsm8k.yaml"), f"model.hf_path={exported}",
-               f"run.out_dir={tmp_path}", *small, timeout=900)
+               f"run.out_dir={tmp_path}", *DATA, *small, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     run_dir = tmp_path / "cpu_smollm2_gsm8k"
