@@ -75,6 +75,51 @@ def test_sampling_params_seed_and_fields():
     assert "seed" not in Sampling().params(None) and "logprobs" not in Sampling(logprobs=False).params(None)
 
 
+def test_a_dropped_connection_to_a_replica_that_still_answers_is_only_requeued(tmp_path):
+    """Pool logic against a stand-in server (stdlib HTTP, not vLLM): the first generate request's
+    connection is closed without an answer while /health keeps answering. The prompt is sent
+    again and the replica is neither marked down nor restarted (a restart costs 30-130 s here)."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    dropped = []
+
+    class StandIn(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def answer(self, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self.answer({"weight_version": "0"} if self.path == "/weight_info" else {})
+
+        def do_POST(self):
+            json.loads(self.rfile.read(int(self.headers["content-length"])) or b"{}")
+            if self.path == GENERATE_ROUTE and not dropped:
+                dropped.append(1)
+                self.connection.shutdown(2)  # no answer at all: the client sees the connection break
+                return
+            self.answer({"choices": [{"index": 0, "token_ids": [7], "finish_reason": "length"}]}
+                        if self.path == GENERATE_ROUTE else {})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with ReplicaPool(spec(tmp_path), urls=[url], key="k", start_timeout_s=10, max_failures=0) as pool:  # no failure allowed
+            records = pool.generate([[1, 2]], Sampling(n=1, max_tokens=1, logprobs=False), timeout_s=30)
+            assert [r.token_ids for r in records] == [(7,)] and dropped == [1]
+            assert pool.stats()["requeues"] == 1 and pool.health_check()[0]["up"]
+    finally:
+        server.shutdown()
+
+
 # -- real vLLM servers (integration) --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def models(tiny_models):
@@ -106,8 +151,12 @@ def next_version(pool, model_dir, **kw) -> int:
 
 
 def requests_running(url: str, key: str) -> float:
-    """vLLM's own gauge of requests being generated on one replica (its /metrics, behind the key)."""
-    text = httpx.get(url + "/metrics", headers=auth_headers(key), timeout=5, trust_env=False).text
+    """vLLM's own gauge of requests being generated on one replica (its /metrics, behind the key);
+    0 while the server is too busy to answer within 10 s (2 cores, two replicas generating)."""
+    try:
+        text = httpx.get(url + "/metrics", headers=auth_headers(key), timeout=10, trust_env=False).text
+    except httpx.TimeoutException:
+        return 0.0
     return sum(float(m.group(1)) for m in re.finditer(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M))
 
 
@@ -253,7 +302,7 @@ def test_killed_replica_loses_no_prompt_and_serves_again_only_with_current_weigh
         os.killpg(os.getpgid(server[0].pid), signal.SIGKILL)  # the server's group: supervisor, server, engine
     finally:
         gen.join(300)
-    assert not error, error
+    assert not error, (error, pool.stats(), pool.log_tail(0, 40), pool.log_tail(1, 40))
     records = result["r"]
     assert sorted((r.prompt_index, r.sample_index) for r in records) == [(i, j) for i in range(64) for j in range(4)]
     assert all(len(r.token_ids) == 240 for r in records) and {r.policy_version for r in records} == {v}

@@ -31,8 +31,9 @@ senders' buckets, weights/sync.py), in one of two modes:
 A replica failing any phase is dropped from that update (not fresh until a later full one).
 
 Faults: a request whose connection breaks or that exceeds `request_timeout_s` goes back to the
-queue (`stats()["requeues"]`) and another replica takes it; its replica is marked down and,
-if started here, restarted in the background (killed as a process group first), up to
+queue (`stats()["requeues"]`) and another replica takes it. A broken connection to a replica
+that still answers `/health` costs only the requeue; otherwise (and on a timeout) the replica is
+marked down and, if started here, restarted in the background (killed as a process group first), up to
 `max_failures` times (then `PoolError`). A restarted replica holds its checkpoint's weights: it
 rejoins dispatch only after the learner pushed the current version to it
 (`replicas_needing_weights()`). While no replica is fresh, prompts wait; every wait is bounded.
@@ -251,9 +252,8 @@ class ReplicaPool:
     def _check_budget(self) -> None:
         for rep in self._replicas:
             if rep.failures > self.max_failures or (not rep.up and not rep.restarting):
-                why = rep.error
-                tail = self._launcher.log_tail(rep.id) if self._launcher is not None else ""
-                raise PoolError(f"replica {rep.id} failed {rep.failures} times (max_failures={self.max_failures}) {why}; {tail}")
+                raise PoolError(f"replica {rep.id} failed {rep.failures} times (max_failures={self.max_failures}) "
+                                f"{rep.error}; {self.log_tail(rep.id)}")
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -262,6 +262,10 @@ class ReplicaPool:
 
     def pids(self) -> list[int | None]:
         return [rep.pid for rep in self._replicas]
+
+    def log_tail(self, replica_id: int, lines: int = 15) -> str:
+        """The last lines of a replica's server log (replicas started here; "" for URL replicas)."""
+        return "" if self._launcher is None else self._launcher.log_tail(replica_id, lines)
 
     def _fresh(self, rep: _Replica) -> bool:
         return rep.up and rep.weights_ok and rep.version >= self.current_version
@@ -447,7 +451,11 @@ class ReplicaPool:
                         else:
                             pending.appendleft(i)
                             self.requeues += 1
-                            self._failed(rep, error)
+                            if self._connection_dropped(task) and await self._answers(http, rep):
+                                print(f"[pool] replica {rep.id}: {error}; it answers /health: request requeued, "
+                                      f"replica kept", flush=True)
+                            else:
+                                self._failed(rep, error)
             finally:
                 for task in running:
                     task.cancel()
@@ -469,6 +477,20 @@ class ReplicaPool:
         if 400 <= r.status_code < 500:
             raise ReplicaError(f"replica {rep.id} refused a request ({r.status_code}): {r.text[:500]}", r.status_code)
         return f"answered {r.status_code}: {r.text[:200]}"
+
+    @staticmethod
+    def _connection_dropped(task: asyncio.Task) -> bool:
+        """The request's connection broke (not a timeout, not an answer): the server may have died,
+        or only this connection (a reset under load): `_answers` tells which."""
+        e = task.exception()
+        return isinstance(e, httpx.TransportError) and not isinstance(e, httpx.TimeoutException)
+
+    async def _answers(self, http: httpx.AsyncClient, rep: _Replica) -> bool:
+        """Whether `rep` still answers `/health` (200: API server and engine alive), within 30 s."""
+        try:
+            return (await http.get(rep.url + "/health", timeout=30.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def _records(self, i: int, prompt: Sequence[int], replica_id: int, choices: list[dict]) -> list[Completion]:
         out = []
