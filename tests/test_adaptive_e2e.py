@@ -7,7 +7,7 @@ than the lag in force when it was admitted.
 """
 import pytest
 
-from tests.e2e_utils import RLOO, assert_trained, train
+from tests.e2e_utils import RLOO, assert_trained, coin_flip_data, train
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # each runs `megatron-async train`
 
@@ -16,7 +16,9 @@ STEPS = 5
 
 @pytest.mark.parametrize("target, direction", [(1.0, "up"), (1e-12, "down")])
 def test_the_lag_follows_the_measured_staleness(tmp_path, target, direction):
-    train(tmp_path, *RLOO, f"trainer.steps={STEPS}", "rollout.max_lag=auto", f"rollout.lag_kl_target={target}",
+    # coin-flip answers: rewards that differ within a batch (a learning signal, e2e_utils.assert_trained);
+    # on the synthetic task this barely trained model can score 0 on every sample of all 5 steps
+    train(tmp_path, *coin_flip_data(tmp_path), *RLOO, f"trainer.steps={STEPS}", "rollout.max_lag=auto", f"rollout.lag_kl_target={target}",
           "rollout.lag_cap=3", "trainer.auto_balance=true", "trainer.max_updates_per_batch=3")
     hist = assert_trained(tmp_path / "cpu_tiny", STEPS)
     lags = [hist[s]["rollout/max_lag"] for s in range(STEPS)]  # the lag in force when step s was logged
