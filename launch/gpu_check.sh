@@ -26,7 +26,7 @@
 #                  docs/scaling.md (tools/gpu_bench.py learner)
 #   weights_bench  weights/buckets.py packing and checksums of GPU tensors (GB/s)
 #   batch_prep     RLOO and PPO batch preparation on the GPU through megatron_async.algorithms
-#   vllm           vLLM tokens/s on the GPU (skipped without vLLM; GPU weight sync not wired yet)
+#   vllm           vLLM tokens/s on the GPU (skipped without vLLM; the NCCL weight sync is a gpu test)
 #   te             the learner benchmark with the Transformer Engine spec (skipped without TE)
 # Exit status: 0 when no phase failed (skips are fine), 1 otherwise; OUT_DIR/summary.json lists all.
 set -uo pipefail

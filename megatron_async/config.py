@@ -180,7 +180,13 @@ class RolloutConfig:
     weight_transport: WeightTransport = opt("auto",
         "how weight buckets reach the replicas' weight-transfer engine (weights/sync.py): shm (a /dev/shm "
         "segment; replicas on this host), http (inline in the request body; any host), nccl (vLLM's NCCL "
-        "backend for GPU replicas: not wired yet, refused); auto = shm for loopback replicas, else http")
+        "backend, GPU replicas, learner PP=1; weights/nccl_sender.py: not yet run on a GPU); auto = shm for "
+        "loopback replicas, else http (both work for GPU replicas too)")
+    nccl_address: str = opt("",
+        "weight_transport=nccl: the address replicas reach the learner's sender at (its NCCL rendezvous); "
+        "\"\" = 127.0.0.1 for replicas on this host, else this host's name")
+    nccl_port: int = opt(0,
+        "weight_transport=nccl: replica i's NCCL group rendezvous at nccl_port + i; 0 = a free port each time")
     generate_timeout_s: float = opt(600.0, "a generation request slower than this fails its replica")
     replica_cpus: int | str = opt("",
         "CPU ids every replica process pins itself to (\"1\", \"2-3\"); \"\" = no pinning (if the learner is "
@@ -481,8 +487,12 @@ def validate(cfg: Config) -> None:
                  "rollout.weight_transport", r.weight_transport,
                  f"shared memory needs the replicas on the learner's host (rollout.host={r.host!r}, "
                  f"placement.dedicated_replica_node={cfg.placement.dedicated_replica_node}): use auto or http")
-    _require(r.weight_transport != "nccl", "rollout.weight_transport", r.weight_transport,
-             "vLLM's NCCL backend is not wired into the sender yet: use auto (shm here, http to other hosts)")
+    if r.weight_transport == "nccl":
+        _require(cfg.parallel.pp == 1, "rollout.weight_transport", r.weight_transport,
+                 f"vLLM's NCCL backend takes one sender per replica: the learner must run parallel.pp=1 "
+                 f"(got {cfg.parallel.pp}); use auto (host memory) with pipeline parallelism")
+        _require(r.nccl_port == 0 or 1024 <= r.nccl_port <= 65535 - r.num_replicas, "rollout.nccl_port", r.nccl_port,
+                 f"must be 0 (free ports) or in [1024, {65535 - r.num_replicas}] (replica i uses nccl_port + i)")
     if r.replica_urls:
         _require(bool(r.token), "rollout.token", "", "rollout.replica_urls: servers started elsewhere need their key")
         _require(all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in r.replica_urls),

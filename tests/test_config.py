@@ -66,6 +66,8 @@ def test_literal_choices():
     (["rollout.host=0.0.0.0"], "rollout.token"),
     (["rollout.weight_transport=shm", "rollout.host=10.0.0.5", "rollout.token=t"], "rollout.weight_transport"),
     (["rollout.weight_transport=udp"], "rollout.weight_transport"),
+    (["rollout.weight_transport=nccl", "parallel.world_size=2", "parallel.pp=2"], "rollout.weight_transport"),
+    (["rollout.weight_transport=nccl", "rollout.nccl_port=80"], "rollout.nccl_port"),
     (["trainer.minibatches=3"], "trainer.minibatches"),
     (["model.hf_path=/no/such/model"], "model.hf_path"),
     (["data.train=/no/such/file.jsonl"], "data.train"),
@@ -82,6 +84,10 @@ def test_impossible_settings_fail_naming_the_key(overrides, key):
     with pytest.raises(ConfigError) as e:  # the schema's checks or the preflight's: before anything starts
         preflight(load_config(None, overrides))
     assert f"'{key}'" in str(e.value)
+
+
+def test_nccl_transport_is_accepted_with_one_pipeline_stage():
+    preflight(load_config(None, ["rollout.weight_transport=nccl", "parallel.tp=2"]), world_size=2)
 
 
 def test_ppo_allows_k1_and_world_size_checked_at_launch():

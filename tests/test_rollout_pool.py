@@ -65,7 +65,9 @@ def test_server_command_keeps_the_key_off_the_command_line():
     assert not any("secret" in a for a in cmd)
     gpu = server_command(ReplicaSpec(model="/m"), "127.0.0.1", 8011, gpu=True)
     assert "--enforce-eager" not in gpu and "--no-enable-prefix-caching" not in gpu and "--gpu-memory-utilization" in gpu
-    assert '"nccl"' in gpu[gpu.index("--weight-transfer-config") + 1]
+    assert '"mas_cpu"' in gpu[gpu.index("--weight-transfer-config") + 1]  # host memory: GPU replicas too
+    nccl = server_command(ReplicaSpec(model="/m", weight_backend="nccl"), "127.0.0.1", 8011, gpu=True)
+    assert '"nccl"' in nccl[nccl.index("--weight-transfer-config") + 1]
 
 
 def test_sampling_params_seed_and_fields():

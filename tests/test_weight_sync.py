@@ -104,7 +104,7 @@ def test_carrier_choice(monkeypatch):
     assert carrier_for("auto", "http://10.0.0.7:8000") == "http" and carrier_for("http", "http://127.0.0.1:8000") == "http"
     with pytest.raises(ValueError, match="weight_transport=shm needs replicas on this host"):
         carrier_for("shm", "http://10.0.0.7:8000")
-    with pytest.raises(ValueError, match="nccl.*not wired"):
+    with pytest.raises(ValueError, match="nccl is weights/nccl_sender"):
         carrier_for("nccl", "http://127.0.0.1:8000")
     with pytest.raises(ValueError, match="rollout.weight_transport='udp'"):
         carrier_for("udp", "http://127.0.0.1:8000")

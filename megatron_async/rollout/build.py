@@ -13,6 +13,7 @@ from megatron_async.config import Config
 from megatron_async.models.base_model import prepare_base_model
 from megatron_async.rollout.pool import ReplicaPool
 from megatron_async.rollout.replica import ReplicaSpec, server_command, server_env
+from megatron_async.weights.vllm_plugin import BACKEND
 
 
 def replica_spec(cfg: Config, model: Path) -> ReplicaSpec:
@@ -21,7 +22,8 @@ def replica_spec(cfg: Config, model: Path) -> ReplicaSpec:
     return ReplicaSpec(model=str(model), dtype=cfg.model.dtype, tensor_parallel_size=r.replica_tp,
                        max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens,
                        kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)), seed=cfg.run.seed,
-                       prefix_caching=r.weight_update == "between_batches")
+                       prefix_caching=r.weight_update == "between_batches",
+                       weight_backend="nccl" if r.weight_transport == "nccl" else BACKEND)
 
 
 def replica_urls(cfg: Config) -> list[str]:

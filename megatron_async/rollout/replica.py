@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from megatron_async.weights.vllm_plugin import BACKEND
+
 AUTH_MIDDLEWARE = "megatron_async.rollout.auth.RequireKey"
 
 
@@ -49,11 +51,9 @@ class ReplicaSpec:
     initial_version: int = 0  # policy version of the checkpoint in `model`
     extra_args: tuple[str, ...] = ()  # any other `vllm serve` flag, passed as given
     env: dict = field(default_factory=dict)  # extra environment of the server process
-
-    def weight_backend(self, gpu: bool) -> str:
-        from megatron_async.weights.vllm_plugin import BACKEND
-
-        return "nccl" if gpu else BACKEND
+    # vLLM weight-transfer backend: ours (host memory: shm or inline; CPU and GPU replicas alike),
+    # or vLLM's "nccl" (GPU replicas, rollout.weight_transport: nccl; weights/nccl_sender.py)
+    weight_backend: str = BACKEND
 
 
 def server_command(spec: ReplicaSpec, host: str, port: int, gpu: bool) -> list[str]:
@@ -64,7 +64,7 @@ def server_command(spec: ReplicaSpec, host: str, port: int, gpu: bool) -> list[s
         "--dtype", spec.dtype, "--max-model-len", str(spec.max_model_len), "--seed", str(spec.seed),
         "--tensor-parallel-size", str(spec.tensor_parallel_size),
         "--middleware", AUTH_MIDDLEWARE, "--enable-scale-out", "--no-enable-chunked-prefill",
-        "--weight-transfer-config", json.dumps({"backend": spec.weight_backend(gpu)}),
+        "--weight-transfer-config", json.dumps({"backend": spec.weight_backend}),
         "--disable-uvicorn-access-log",
     ]
     if spec.kv_cache_bytes is not None:

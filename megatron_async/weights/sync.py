@@ -16,7 +16,8 @@ carrier is how a bucket's bytes reach the replica's `mas_cpu` engine (weights/cp
   only its path, size and CRC32. `auto` picks it for a replica at a loopback address (unless
   /dev/shm cannot hold two buckets).
 - http: the payload base64-encoded in the request's JSON body (replicas on other hosts).
-GPU replicas use vLLM's own `nccl` backend (`nccl`; see docs/replicas-and-weight-sync.md).
+Both work for GPU replicas too. `nccl` (vLLM's own NCCL backend, GPU to GPU) is another sender:
+weights/nccl_sender.py.
 
 Pipelining and memory: `named_tensors` is consumed lazily with one bucket in flight: while the
 replicas load bucket k, the sender packs bucket k+1 (into the other shm segment), and sends it
@@ -63,8 +64,7 @@ def carrier_for(transport: str, url: str) -> str:
         raise ValueError(f"rollout.weight_transport=shm needs replicas on this host; replica at {url} is not "
                          f"loopback (use auto or http)")
     if transport == "nccl":
-        raise ValueError("rollout.weight_transport=nccl (vLLM's NCCL backend for GPU replicas) is not wired into "
-                         "this sender yet; use auto (shm on this host, http otherwise)")
+        raise ValueError("rollout.weight_transport=nccl is weights/nccl_sender.NcclSender's, not this sender's")
     return transport
 
 
