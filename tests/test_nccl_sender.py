@@ -43,7 +43,7 @@ def test_nccl_push_into_a_gpu_replica_matches_transformers(tiny_models, tmp_path
             for version, model in ((1, tiny_models[1]), (2, tiny_models[2])):  # the second push reuses the group
                 opened = pool.begin_update(None, "between_batches", 120)
                 named = ((k, v.cuda()) for k, v in state_dict(model).items())
-                metrics = sender.push([pool.urls[i] for i in opened], named)
+                metrics = sender.push(named, urls=[pool.urls[i] for i in opened])
                 assert not metrics["failed"] and metrics["buckets"] > 1, metrics
                 assert pool.finish_update(version, opened) == [0]
                 records = pool.generate(prompts, Sampling(n=2, max_tokens=8, seed=0))

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron_async.cluster.placement import check_reachable, learner_device_index
 from megatron_async.config import LOOPBACK_HOSTS, Config, flatten, save_config
 from megatron_async.learner.hf_export import export_hf
-from megatron_async.learner.parallel import init_parallel
+from megatron_async.learner.parallel import ParallelLayout, init_parallel
 from megatron_async.models.base_model import load_tokenizer, prepare_base_model
 from megatron_async.observability.timing import StepTimer
 from megatron_async.observability.tracking import MlflowTracker, NullTracker, build_tracker
@@ -60,7 +60,7 @@ class Trainer:
     init_model: Path  # HF checkpoint of version 0 (the SFT model): replicas start from it
     replica_urls: list[str]
     replica_key: str
-    nccl: NcclSender | None = None  # rollout.weight_transport=nccl: rank 0's groups with the replicas (PP=1)
+    sender: WeightSender | NcclSender | None = None  # on each stage's sender rank (TP rank 0, DP rank 0); for the run
     start_step: int = 0
 
     # -- building ---------------------------------------------------------------------------------
@@ -85,7 +85,7 @@ class Trainer:
         where = (rollout.pool.urls, rollout.pool.key, socket.gethostname()) if rank0 else None
         urls, key, replica_machine = _broadcast(where, ctrl)
         check_reachable(replica_machine, urls)  # loopback replicas seen from another machine
-        trainer = cls(cfg, ctrl, learner, rollout, tracker, init_model, urls, key, _nccl_sender(cfg, urls, key, rank0))
+        trainer = cls(cfg, ctrl, learner, rollout, tracker, init_model, urls, key, _weight_sender(cfg, layout, urls, key))
         if cfg.run.resume:
             trainer._resume()
         elif replica_urls(cfg):  # servers started elsewhere serve the base model, not necessarily init_model
@@ -193,16 +193,11 @@ class Trainer:
         opened = _broadcast(opened, self.ctrl)
         named = self.learner.hf_weights()
         result: dict[str, Any] = {"gb_per_s": 0.0, "failed": {}}
-        if lay.tp_rank == 0 and lay.dp_rank == 0 and opened:
+        if self.sender is not None and opened:
             targets = [self.replica_urls[i] for i in opened]
-            if self.nccl is not None:
-                if replica_ids is not None:  # restarted (or failed) replicas: their NCCL groups are new
-                    self.nccl.forget(targets)
-                result = self.nccl.push(targets, named)
-            else:
-                with WeightSender(targets, self.replica_key, timeout_s=r.sync_timeout_s,
-                                  bucket_bytes=r.sync_bucket_mb << 20, transport=r.weight_transport) as sender:
-                    result = sender.push(named)
+            if replica_ids is not None:  # restarted (or failed) replicas: what the sender kept for them is stale
+                self.sender.forget(targets)
+            result = self.sender.push(named, urls=targets)
             if result["failed"]:
                 log.warning("weight sync of version %d, stage %d: replicas dropped: %s", version, lay.pp_rank,
                             result["failed"])
@@ -225,19 +220,22 @@ class Trainer:
         return result["gb_per_s"]
 
     def close(self) -> None:
-        if self.nccl is not None:
-            self.nccl.close()
+        if self.sender is not None:
+            self.sender.close()
         if self.rollout is not None:
             self.rollout.close()
         self.tracker.close()
 
 
-def _nccl_sender(cfg: Config, urls: list[str], key: str, rank0: bool) -> NcclSender | None:
-    """Rank 0's sender over vLLM's NCCL backend (rollout.weight_transport=nccl; PP=1, so rank 0 is
-    the one stage's sender); None otherwise."""
+def _weight_sender(cfg: Config, layout: ParallelLayout, urls: list[str], key: str) -> WeightSender | NcclSender | None:
+    """The run's sender on a pipeline stage's sender rank (TP rank 0 of DP rank 0), None elsewhere:
+    vLLM's NCCL backend (rollout.weight_transport=nccl; PP=1, so that is rank 0) or host memory."""
     r = cfg.rollout
-    if r.weight_transport != "nccl" or not rank0:
+    if layout.tp_rank != 0 or layout.dp_rank != 0:
         return None
+    if r.weight_transport != "nccl":
+        return WeightSender(urls, key, timeout_s=r.sync_timeout_s, bucket_bytes=r.sync_bucket_mb << 20,
+                            transport=r.weight_transport)
     local = all(urlparse(u).hostname in LOOPBACK_HOSTS for u in urls)
     address = r.nccl_address or ("127.0.0.1" if local else socket.getfqdn())
     return NcclSender(urls, key, address=address, replica_tp=r.replica_tp, timeout_s=r.sync_timeout_s,

@@ -1,7 +1,7 @@
 """GPU replicas: weight buckets over vLLM's own `nccl` weight-transfer backend.
 
     sender = NcclSender(pool.urls, pool.key, address="127.0.0.1", replica_tp=1, timeout_s=120, bucket_bytes=...)
-    metrics = sender.push(opened_urls, iter_hf_weights(...))     # between begin_update and finish_update
+    metrics = sender.push(iter_hf_weights(...), urls=opened)      # between begin_update and finish_update
 
 A replica started with `--weight-transfer-config '{"backend": "nccl"}'` (rollout.weight_transport:
 nccl) builds vLLM's dense NCCL engine (vllm/distributed/weight_transfer/nccl_engine.py) in each of
@@ -78,10 +78,11 @@ class NcclSender:
         self._groups[url] = trainer_init(info)
         joined.result(timeout=self.timeout_s)
 
-    def push(self, urls: Sequence[str], named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict:
-        """Stream the tensors into the open update of each replica in `urls`; the metrics of
-        weights/sync.WeightSender.push (carriers ["nccl"])."""
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], urls: Sequence[str] | None = None) -> dict:
+        """Stream the tensors into the open update of each replica in `urls` (None: all); the
+        metrics of weights/sync.WeightSender.push (carriers ["nccl"])."""
         t0 = time.perf_counter()
+        urls = list(self._clients) if urls is None else urls
         failed: dict[str, str] = {}
         live = []
         for url in urls:

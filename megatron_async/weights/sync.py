@@ -6,8 +6,8 @@ opens and closes it on every replica (`ReplicaPool.begin_update` / `finish_updat
 sender rank of each pipeline stage (its TP rank 0, after the TP gather and the one HF mapping)
 streams its own tensors:
 
-    sender = WeightSender(pool.urls, pool.key, timeout_s=..., bucket_bytes=..., transport="auto")
-    metrics = sender.push(iter_hf_weights(...))
+    sender = WeightSender(pool.urls, pool.key, timeout_s=..., bucket_bytes=..., transport="auto")  # once per run
+    metrics = sender.push(iter_hf_weights(...), urls=opened)      # each sync, into the replicas that opened it
 
 Bucketing and naming are the same for every carrier (buckets.group_by_cap over HF names); the
 carrier is how a bucket's bytes reach the replica's `mas_cpu` engine (weights/cpu_engine.py),
@@ -18,6 +18,9 @@ carrier is how a bucket's bytes reach the replica's `mas_cpu` engine (weights/cp
 - http: the payload base64-encoded in the request's JSON body (replicas on other hosts).
 Both work for GPU replicas too. `nccl` (vLLM's own NCCL backend, GPU to GPU) is another sender:
 weights/nccl_sender.py.
+
+The sender lives as long as the run: its shared-memory segments are reserved once (64 MB each
+by default: reserving them costs ~0.1 s), not per sync.
 
 Pipelining and memory: `named_tensors` is consumed lazily with one bucket in flight: while the
 replicas load bucket k, the sender packs bucket k+1 (into the other shm segment), and sends it
@@ -78,19 +81,20 @@ class WeightSender:
         if not key:
             raise ValueError("WeightSender needs the replicas' key")
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
-        self._clients = [ReplicaClient(u, key, timeout_s=timeout_s) for u in urls]
-        self._carrier = {c: carrier_for(transport, c.url) for c in self._clients}
+        self._clients = {u: ReplicaClient(u, key, timeout_s=timeout_s) for u in urls}
+        self._carrier = {c: carrier_for(transport, c.url) for c in self._clients.values()}
         need = 2 * (bucket_bytes + HEADER_SLACK)
         if transport == "auto" and "shm" in self._carrier.values() and shm_free_bytes() < need:
             log.warning("weight sync: /dev/shm has less than the %d MiB two buckets need; auto uses http", need >> 20)
-            self._carrier = {c: "http" for c in self._clients}
+            self._carrier = {c: "http" for c in self._clients.values()}
         self.carriers = sorted(set(self._carrier.values()))
         # two segments: one being read by the replicas while the next bucket is packed into the other
         self._segments = [ShmSegment(bucket_bytes), ShmSegment(bucket_bytes)] if "shm" in self.carriers else []
         self._pool = ThreadPoolExecutor(max_workers=len(self._clients), thread_name_prefix="weight-sync")
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict:
-        """Send this stage's tensors into the replicas' open update; returns metrics.
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], urls: Sequence[str] | None = None) -> dict:
+        """Send this stage's tensors into the open update of the replicas at `urls` (None: all);
+        returns metrics.
 
         Metrics: bytes (one copy of this stage's payload), bytes_total (all replicas reached),
         seconds (wall, including producing the tensors), send_seconds (waiting for the replicas),
@@ -98,7 +102,7 @@ class WeightSender:
         ({url: error}), carriers.
         """
         t0 = time.perf_counter()
-        live = list(self._clients)
+        live = list(self._clients.values()) if urls is None else [self._clients[u] for u in urls]
         failed: dict[str, str] = {}
         send_s = 0.0
         num_buckets = nbytes = 0
@@ -147,8 +151,12 @@ class WeightSender:
                 info["shm"] = {"shm": turn["segment"].path, "size": size, "checksum": bucket.checksum}
             yield info, size
 
+    def forget(self, urls: Iterable[str]) -> None:
+        """Nothing is kept per replica between syncs (no connection, no group): nothing to drop
+        for a replica that restarted (the same call as NcclSender.forget)."""
+
     def close(self) -> None:
-        for c in self._clients:
+        for c in self._clients.values():
             c.close()
         for segment in self._segments:
             segment.close()
