@@ -53,6 +53,43 @@ def test_batches_get_version_b_minus_lag_and_wait_for_it(max_lag):
         prod.stop()
 
 
+class Gate(Recorder):
+    """make_batch that blocks until released: a batch stays in flight for as long as a test needs."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+
+    def __call__(self, index):
+        batch = super().__call__(index)
+        assert self.release.wait(5)
+        self.release.clear()
+        batch.policy_version = 0
+        return batch
+
+
+@pytest.mark.parametrize("during", [False, True])
+def test_push_waits_for_the_batch_in_flight_only_between_batches(during):
+    """max_lag=1, batch 1 in flight under v0: the learner may push v1 at once only when updates
+    during generation are on (the running batch then takes the new weights); between batches it
+    waits until batch 1 is generated."""
+    maker = Gate()
+    prod = RolloutProducer(maker, max_lag=1, last_batch=3, updates_during_generation=during).start()
+    try:
+        maker.release.set()  # batch 0
+        assert wait_until(lambda: prod.generated_through(0) and maker.started == [0, 1])
+        assert not prod.generated_through(1)  # batch 1 runs, held by the gate
+        time.sleep(0.05)
+        assert prod.old_weights_done(0) is during
+        maker.release.set()
+        assert wait_until(lambda: prod.generated_through(1))
+        assert prod.old_weights_done(0)
+        assert not prod.old_weights_done(1)  # batch 2 needs v1 and is not admitted before it is pushed
+    finally:
+        maker.release.set()
+        prod.stop()
+
+
 def test_resume_with_buffered_batches():
     maker = Recorder()
     saved = [RolloutBatch(index=4, policy_version=3, problems=[], completions=[], rewards=[])]

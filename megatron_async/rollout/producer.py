@@ -122,13 +122,18 @@ class RolloutProducer:
 
     def old_weights_done(self, version: int) -> bool:
         """True when no batch that may use weights `version` is still to be generated: the learner
-        may push version + 1 (batches up to version + max_lag, and the one in flight unless
-        updates during generation are on: it was admitted already and may take newer weights)."""
+        may push version + 1 (batches up to version + max_lag generated, none of them in flight).
+
+        With updates during generation a batch needs `version` only to be admitted: once started
+        (in flight) it may take newer weights, so the push need not wait for it to finish."""
         with self._cond:
             self._raise_if_failed()
-            in_flight = (self._in_flight is not None and self._in_flight <= version
-                         and not self.updates_during_generation)
-            return not in_flight and self._next > min(version + self.max_lag, self.last_batch)
+            last_needing = min(version + self.max_lag, self.last_batch)
+            if self.updates_during_generation:
+                started = self._next + (self._in_flight is not None)  # generated, or admitted and running
+                return started > last_needing
+            in_flight = self._in_flight is not None and self._in_flight <= version
+            return not in_flight and self._next > last_needing
 
     def set_max_lag(self, max_lag: int) -> None:
         """The lag bound for batches admitted from now on."""
