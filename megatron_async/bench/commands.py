@@ -537,7 +537,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="more modes per seed: auto (rollout.max_lag=auto), balance (max_lag=1 + trainer.auto_balance), "
                         "during (max_lag=1 + rollout.weight_update=during_generation)")
     a.add_argument("--eval-every", type=int, default=0,
-                   help="evaluate every N steps (trainer.eval_every) and report each mode's wall time to the sync "
+                   help="evaluate every N steps (trainer.eval_every; inside each step's wall time, so the "
+                        "speedup is then biased towards 1) and report each mode's wall time to the sync "
                         "run's final held-out pass@1 and its ratio to sync (the paper's time-to-quality)")
     s = sub.add_parser("sweep", help="the paper's N / T / K sweeps: final reward vs KL")
     common(s)

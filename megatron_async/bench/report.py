@@ -5,7 +5,10 @@ A history is `RolloutState.history` (also `<run dir>/history.json`): one dict pe
 `timing/step_wall_s`, `rollout/replica_idle_s` (cumulative over the run), `reward/mean`, `kl/ref`.
 
 Definitions (the paper's, section 5):
-- wall      = sum of `timing/step_wall_s`: the steps phase only (no set-up, SFT, evaluation).
+- wall      = sum of `timing/step_wall_s`: the steps phase only (no set-up, SFT, or the final
+              evaluations). Evaluations during the run (trainer.eval_every, `bench async
+              --eval-every`) are inside it: every mode pays them, which pulls the speedup towards
+              1; measure speedup and efficiency without them.
 - speedup   = wall(sync, max_lag=0) / wall(async, max_lag=1), same config, seeds and steps.
 - ideal     = (gen + train) / max(gen, train), from the SYNC run's per-step means: what perfect
               overlap of generation and training would give over many steps (weight sync and the
