@@ -1,5 +1,4 @@
 """Config loading: YAML + dotted overrides, type checks, cross-field validation, saving."""
-import json
 import string
 
 import pytest
@@ -97,18 +96,6 @@ def test_ppo_allows_k1_and_world_size_checked_at_launch():
     preflight(cfg, world_size=4)
     with pytest.raises(ConfigError, match="parallel.world_size"):
         preflight(cfg, world_size=3)
-
-
-def test_tp_checked_against_a_real_hf_config(tmp_path):
-    model = tmp_path / "m"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"num_attention_heads": 9, "num_key_value_heads": 3}))
-    preflight(load_config(None, [f"model.hf_path={model}", "parallel.tp=3"]))
-    with pytest.raises(ConfigError, match="query groups"):
-        preflight(load_config(None, [f"model.hf_path={model}", "parallel.tp=9"]))
-    (model / "config.json").write_text("{")
-    with pytest.raises(ConfigError, match="config.json"):
-        preflight(load_config(None, [f"model.hf_path={model}"]))
 
 
 def test_bad_yaml_and_non_mapping(tmp_path):

@@ -107,24 +107,66 @@ def test_long_prompts_found_before_the_learner_starts(chat_model, tmp_path):
                                      "data.on_long_prompt=drop"]))
 
 
-def test_tp_must_divide_the_mlp_not_the_vocab_of_a_real_checkpoint(tmp_path):
-    """A vocab_size TP does not divide is padded by the learner (model.make_vocab_size_divisible_by),
-    so it runs; the MLP is split as it is, so TP must divide it; a vocab_size that is no positive
-    integer cannot work."""
-    model = tmp_path / "m"
-    model.mkdir()
-    hf = {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 49153, "intermediate_size": 64}
-    (model / "config.json").write_text(json.dumps(hf))
-    preflight(load_config(None, [f"model.hf_path={model}"]))
-    preflight(load_config(None, [f"model.hf_path={model}", "parallel.tp=2"]))  # padded to 49408
-    preflight(load_config(None, [f"model.hf_path={model}", "parallel.tp=2", "model.make_vocab_size_divisible_by=1"]))
-    (model / "config.json").write_text(json.dumps({**hf, "vocab_size": 49152, "intermediate_size": 63}))
-    with pytest.raises(ConfigError, match=r"key 'parallel.tp' = 2: must divide the model's intermediate_size \(63"):
-        preflight(load_config(None, [f"model.hf_path={model}", "parallel.tp=2"]))
-    (model / "config.json").write_text(json.dumps({**hf, "vocab_size": 0}))
+@pytest.fixture
+def edited_model(hf_model, tmp_path):
+    """edit(**fields) -> a copy of hf_model whose config.json has `fields` changed (None deletes one)."""
+    import shutil
+
+    model = shutil.copytree(hf_model, tmp_path / "edited")
+    original = json.loads((model / "config.json").read_text())
+
+    def edit(**fields):
+        hf = {**original, **fields}
+        (model / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if v is not None}))
+        return f"model.hf_path={model}"
+    return edit
+
+
+def test_tp_and_pp_against_the_checkpoint(edited_model):
+    """4 heads / 2 KV heads, MLP 64, 2 layers. A vocab_size TP does not divide is padded by the learner
+    (model.make_vocab_size_divisible_by), so it runs; heads, KV heads, MLP and layers are split as they are."""
+    preflight(load_config(None, [edited_model(), "parallel.tp=2", "parallel.pp=2"]))
+    preflight(load_config(None, [edited_model(vocab_size=1003), "parallel.tp=2"]))  # padded to 1024
+    preflight(load_config(None, [edited_model(vocab_size=1003), "parallel.tp=2", "model.make_vocab_size_divisible_by=1"]))
+    with pytest.raises(ConfigError, match=r"key 'parallel.tp' = 4: must divide num_key_value_heads \(2\) in .*config.json"):
+        preflight(load_config(None, [edited_model(), "parallel.tp=4"]))
+    with pytest.raises(ConfigError, match=r"key 'parallel.tp' = 2: must divide intermediate_size \(63\)"):
+        preflight(load_config(None, [edited_model(intermediate_size=63), "parallel.tp=2"]))
+    with pytest.raises(ConfigError, match=r"key 'parallel.pp' = 4: must divide num_hidden_layers \(2\)"):
+        preflight(load_config(None, [edited_model(), "parallel.pp=4"]))
     with pytest.raises(ConfigError, match=r"key 'model.hf_path' = .*vocab_size=0, expected a positive integer .* "
                                           r"model.make_vocab_size_divisible_by x parallel.tp = 128 x 2"):
-        preflight(load_config(None, [f"model.hf_path={model}", "parallel.tp=2"]))
+        preflight(load_config(None, [edited_model(vocab_size=0), "parallel.tp=2"]))
+
+
+def test_prompt_and_completion_must_fit_the_models_positions(edited_model):
+    """The issue's case: a 256-position model, 256 prompt + 32 new tokens; found at config time, not
+    as a traceback in the replica's log after the learner is built."""
+    model = edited_model(max_position_embeddings=256)
+    with pytest.raises(ConfigError, match=r"key 'data.max_prompt_tokens' = 256: \+ rollout.max_new_tokens \(32\) = "
+                                          r"288 tokens, over the model's max_position_embeddings \(256\)"):
+        preflight(load_config(None, [model, "data.max_prompt_tokens=256", "rollout.max_new_tokens=32"]))
+    preflight(load_config(None, [model, "data.max_prompt_tokens=224", "rollout.max_new_tokens=32"]))
+
+
+def test_a_checkpoint_the_learner_cannot_build_is_refused(edited_model):
+    """Whatever learner.model.read_arch refuses, the preflight refuses first, naming config.json."""
+    cases = {"model_type 'gpt2' is not supported": {"model_type": "gpt2"},
+             "hidden_act 'gelu' is not supported": {"hidden_act": "gelu"},
+             "rope_type 'yarn' is not supported": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+                                                   "rope_parameters": None},
+             "missing key 'hidden_size'": {"hidden_size": None}}
+    for why, fields in cases.items():
+        with pytest.raises(ConfigError, match=f"config.json.*{why}|{why}.*config.json"):
+            preflight(load_config(None, [edited_model(**fields)]))
+    with pytest.raises(ConfigError, match="directory not found"):
+        preflight(load_config(None, ["model.hf_path=/nonexistent/model"]))
+
+
+def test_a_tokenizer_with_ids_past_the_vocabulary_is_refused(edited_model):
+    with pytest.raises(ConfigError, match=r"key 'model.hf_path' = .*the tokenizer has 300 tokens but config.json "
+                                          r"has vocab_size=200"):
+        preflight(load_config(None, [edited_model(vocab_size=200)]))
 
 
 # --------------------------------------------------------------------------- the command line

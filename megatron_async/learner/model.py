@@ -74,20 +74,23 @@ class LlamaArch:
     def rope_type(self) -> str:
         return dict(self.rope_scaling).get("rope_type", "default")
 
+    def split_problems(self, tp: int, pp: int) -> list[tuple[str, str]]:
+        """What stops the model from being split TP x PP, as (axis, why) pairs ("tp", "must divide
+        num_attention_heads (9)"); empty if it splits. The vocabulary always splits: it is padded
+        to a multiple of TP (`padded_vocab_size`)."""
+        sizes = {"tp": (("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads),
+                        ("intermediate_size", self.intermediate_size)),
+                 "pp": (("num_hidden_layers", self.num_layers),)}
+        degree = {"tp": tp, "pp": pp}
+        return [(axis, f"must divide {name} ({size})") for axis, fields in sizes.items()
+                for name, size in fields if size % degree[axis]]
+
     def check_parallel(self, tp: int, pp: int) -> None:
-        """Raise ValueError if the model cannot be split TP x PP. (The vocabulary always can: it is
-        padded to a multiple of TP, `padded_vocab_size`.)"""
-        problems = []
-        if self.num_heads % tp:
-            problems.append(f"num_attention_heads={self.num_heads}")
-        if self.num_kv_heads % tp:
-            problems.append(f"num_key_value_heads={self.num_kv_heads}")
-        if self.intermediate_size % tp:
-            problems.append(f"intermediate_size={self.intermediate_size}")
+        """Raise ValueError if the model cannot be split TP x PP."""
+        problems = self.split_problems(tp, pp)
         if problems:
-            raise ValueError(f"tp={tp} does not divide {', '.join(problems)}")
-        if self.num_layers % pp:
-            raise ValueError(f"pp={pp} does not divide num_hidden_layers={self.num_layers}")
+            degree = {"tp": tp, "pp": pp}
+            raise ValueError("; ".join(f"{axis}={degree[axis]} {why}" for axis, why in problems))
 
 
 def read_hf_config(path: str | os.PathLike) -> dict:

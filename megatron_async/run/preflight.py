@@ -15,14 +15,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from megatron_async.algorithms import ALGORITHMS
 from megatron_async.cluster import placement
 from megatron_async.cluster.cpu_affinity import available_cpus, format_cpu_list, parse_cpu_list
 from megatron_async.config import Config, ConfigError
 from megatron_async.data import DataError, Problem, format_prompt, load_file, tokenize_prompts
 from megatron_async.learner.model import read_arch
+from megatron_async.models.base_model import load_tokenizer
 from megatron_async.run.checkpoint import checkpoint_root, latest_checkpoint
 
 
@@ -71,35 +70,34 @@ def _read_config_json(model_dir: str, key: str) -> dict:
 
 
 def _check_model(cfg: Config) -> None:
-    """The policy's config.json against TP, PP and the token budget."""
+    """The policy checkpoint as the learner will read it (`learner.model.read_arch`: a supported
+    LLaMA-family architecture), split TP x PP, with room for prompt + completion in its positions
+    and a tokenizer whose every id has an embedding (`models.base_model.load_tokenizer`)."""
     if cfg.model.hf_path == "tiny":
         return  # built from model.tiny_*, checked by config.validate
+    par, config_json = cfg.parallel, Path(cfg.model.hf_path) / "config.json"
     hf = _read_config_json(cfg.model.hf_path, "model.hf_path")
-    if "num_attention_heads" not in hf:
-        raise ConfigError(f"{Path(cfg.model.hf_path) / 'config.json'}: missing key 'num_attention_heads'")
-    par, heads = cfg.parallel, hf["num_attention_heads"]
-    groups = hf.get("num_key_value_heads") or heads
-    _require(heads % par.tp == 0, "parallel.tp", par.tp, f"must divide the number of attention heads ({heads})")
-    _require(groups % par.tp == 0, "parallel.tp", par.tp, f"must divide the number of query groups / KV heads ({groups})")
-    if isinstance(hf.get("intermediate_size"), int):  # the learner splits the MLP over TP ranks (learner/model.py)
-        _require(hf["intermediate_size"] % par.tp == 0, "parallel.tp", par.tp, f"must divide the model's "
-                 f"intermediate_size ({hf['intermediate_size']}, {cfg.model.hf_path}/config.json)")
+    try:
+        arch = read_arch(hf)
+    except KeyError as e:
+        raise ConfigError(f"{config_json}: missing key {e} (key 'model.hf_path' = {cfg.model.hf_path!r})") from None
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"key 'model.hf_path' = {cfg.model.hf_path!r}: {config_json}: {e}") from None
+    for axis, why in arch.split_problems(par.tp, par.pp):
+        _require(False, f"parallel.{axis}", getattr(par, axis), f"{why} in {config_json}")
     # The vocabulary needs no check against TP: the learner pads it to a multiple of
     # model.make_vocab_size_divisible_by x tp (learner/model.py); it must be a positive integer.
-    vocab = hf.get("vocab_size")
-    if "vocab_size" in hf and not (isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= 1):
+    vocab = arch.vocab_size
+    if not (isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= 1):
         raise ConfigError(f"key 'model.hf_path' = {cfg.model.hf_path!r}: config.json has vocab_size={vocab!r}, "
                           "expected a positive integer (the learner pads it to a multiple of "
                           f"model.make_vocab_size_divisible_by x parallel.tp = "
                           f"{cfg.model.make_vocab_size_divisible_by} x {par.tp})")
-    if "num_hidden_layers" in hf:
-        layers = hf["num_hidden_layers"]
-        _require(layers % par.pp == 0, "parallel.pp", par.pp, f"must divide the number of layers ({layers})")
-    if "max_position_embeddings" in hf:
-        budget, positions = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens, hf["max_position_embeddings"]
-        _require(budget <= positions, "data.max_prompt_tokens", cfg.data.max_prompt_tokens,
-                 f"+ rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) = {budget} tokens, over the model's "
-                 f"max_position_embeddings ({positions}) in {cfg.model.hf_path}/config.json")
+    budget, positions = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens, arch.max_position_embeddings
+    _require(budget <= positions, "data.max_prompt_tokens", cfg.data.max_prompt_tokens,
+             f"+ rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) = {budget} tokens, over the model's "
+             f"max_position_embeddings ({positions}) in {config_json}")
+    _tokenizer(cfg)  # loads and checks it against vocab_size
 
 
 def _check_chat_template(cfg: Config) -> None:
@@ -175,13 +173,13 @@ _TOKENIZERS: dict[str, Any] = {}  # hf_path -> tokenizer, for the duration of on
 
 
 def _tokenizer(cfg: Config):
-    """The policy checkpoint's tokenizer (loaded once per preflight)."""
+    """The policy checkpoint's tokenizer, checked against its vocabulary (loaded once per preflight)."""
     path = cfg.model.hf_path
     if path not in _TOKENIZERS:
         try:
-            _TOKENIZERS[path] = AutoTokenizer.from_pretrained(path)
+            _TOKENIZERS[path] = load_tokenizer(Path(path))
         except (OSError, ValueError) as e:
-            raise ConfigError(f"key 'model.hf_path' = {path!r}: cannot load its tokenizer: {e}") from None
+            raise ConfigError(f"key 'model.hf_path' = {path!r}: cannot use its tokenizer: {e}") from None
     return _TOKENIZERS[path]
 
 
