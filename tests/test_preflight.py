@@ -172,9 +172,9 @@ def test_a_tokenizer_with_ids_past_the_vocabulary_is_refused(edited_model):
 # --------------------------------------------------------------------------- the command line
 
 
-def train_cli(*words: str, cwd: Path) -> subprocess.CompletedProcess:
+def cli(command: str, *words: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "megatron_async", "train", CPU_TINY, *words], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "megatron_async", command, CPU_TINY, *words], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -190,10 +190,27 @@ def test_train_cli_says_one_clean_line_and_starts_nothing(case, tmp_path):
         what = "malformed JSON" if case == "malformed" else "field 'answer' has no final number"
         words, expect = [f"data.train={data}"], f"{data} line 2: {what}"
     t0 = time.monotonic()
-    proc = train_cli(*words, f"run.out_dir={out}", cwd=tmp_path)
+    proc = cli("train", *words, f"run.out_dir={out}", cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and proc.stdout == "", proc.stdout + proc.stderr  # ONE line, nothing else
     assert lines[0].startswith("megatron-async: config error: ") and expect in lines[0], lines[0]
     assert not out.exists()  # no run directory: nothing (torchrun, learner, replicas, MLflow) started
     assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.integration  # as above: `megatron-async eval` checks before it starts a replica
+@pytest.mark.parametrize("case", ["positions", "malformed", "no_template"])
+def test_eval_cli_says_one_clean_line_and_starts_nothing(case, hf_model, tmp_path):
+    data = jsonl(tmp_path / "test.jsonl", [GOOD, MALFORMED] if case == "malformed" else [GOOD])
+    words = {"positions": (["data.max_prompt_tokens=500", "rollout.max_new_tokens=32"],
+                           "key 'data.max_prompt_tokens' = 500: + rollout.max_new_tokens (32) = 532 tokens, over the "
+                           "model's max_position_embeddings (512)"),
+             "malformed": ([], f"key 'data.eval' = '{data}': {data} line 2: malformed JSON"),
+             "no_template": (["data.chat_template=true"], "key 'data.chat_template' = True: the tokenizer of")}
+    overrides, expect = words[case]
+    proc = cli("eval", "--checkpoint", str(hf_model), "--data", str(data), *overrides, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and proc.stdout == "", proc.stdout + proc.stderr
+    assert lines[0].startswith("megatron-async eval: ") and expect in lines[0], lines[0]

@@ -20,10 +20,12 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
 
+from megatron_async.config import ConfigError
 from megatron_async.data import DataError, load_prompts
 from megatron_async.io_utils import atomic_write_text
 from megatron_async.models.base_model import load_tokenizer
@@ -31,6 +33,7 @@ from megatron_async.rewards import extract_answer, make_scorer
 from megatron_async.rollout.build import replica_spec
 from megatron_async.rollout.pool import ReplicaPool
 from megatron_async.rollout.replica import Sampling
+from megatron_async.run.preflight import preflight_eval
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +88,12 @@ def main(cfg, checkpoint: str | None = None, data: str | None = None, output: st
     if not (model / "config.json").exists():
         print(f"megatron-async eval: {model} is not an HF checkpoint folder (no config.json)", file=sys.stderr)
         return 2
-    tokenizer = load_tokenizer(model)
+    cfg = replace(cfg, model=replace(cfg.model, hf_path=str(model)), data=replace(cfg.data, eval=data or cfg.data.eval))
     try:
-        prompts, dropped = load_prompts(cfg, tokenizer, data or cfg.data.eval, "test", cfg.data.eval_size)
-    except DataError as e:  # a malformed file, no chat template, prompts over data.max_prompt_tokens
+        preflight_eval(cfg)  # the checkpoint, its tokenizer and template, the file's prompts: one line if not
+        tokenizer = load_tokenizer(model)
+        prompts, dropped = load_prompts(cfg, tokenizer, cfg.data.eval, "test", cfg.data.eval_size)
+    except (ConfigError, DataError) as e:  # DataError: a `datasets` source, read only here
         print(f"megatron-async eval: {e}", file=sys.stderr)
         return 2
     r = cfg.rollout
@@ -99,7 +104,7 @@ def main(cfg, checkpoint: str | None = None, data: str | None = None, output: st
                                  cfg.reward.on_error, progress=True, desc=f"eval {model.name}")
     finally:
         scorer.close()
-    result.update({"model": str(model), "data": data or cfg.data.eval, "chat_template": cfg.data.chat_template,
+    result.update({"model": str(model), "data": cfg.data.eval, "chat_template": cfg.data.chat_template,
                    "dropped_long_prompts": dropped})
     metric = result["metric"]
     noise = ""
@@ -107,7 +112,7 @@ def main(cfg, checkpoint: str | None = None, data: str | None = None, output: st
         p, n = result[metric], result["scored"]
         noise = f" +- {(p * (1 - p) / n) ** 0.5:.4f} (binomial s.e.)"
     print(f"{metric} = {result[metric]:.4f}{noise} over {result['scored']}/{result['n']} scored prompts "
-          f"({result['errors']} errors, {result['timeouts']} timeouts) on {data or cfg.data.eval}")
+          f"({result['errors']} errors, {result['timeouts']} timeouts) on {cfg.data.eval}")
     if output:
         atomic_write_text(output, json.dumps(result, indent=1))
         print(f"per-problem completions and verdicts: {output}")

@@ -8,6 +8,7 @@ the learner or any replica has started.
 
     cfg = load_config(path, overrides)    # schema
     preflight(cfg, world_size)            # the world (megatron-async train / config)
+    preflight_eval(cfg)                   # what megatron-async eval needs of it
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from megatron_async.cluster import placement
 from megatron_async.cluster.cpu_affinity import available_cpus, format_cpu_list, parse_cpu_list
 from megatron_async.config import Config, ConfigError
 from megatron_async.data import DataError, Problem, format_prompt, load_file, tokenize_prompts
-from megatron_async.learner.model import read_arch
+from megatron_async.learner.model import LlamaArch, read_arch
 from megatron_async.models.base_model import load_tokenizer
 from megatron_async.run.checkpoint import checkpoint_root, latest_checkpoint
 
@@ -33,18 +34,26 @@ def preflight(cfg: Config, world_size: int | None = None) -> None:
         _TOKENIZERS.clear()
 
 
+def preflight_eval(cfg: Config) -> None:
+    """Raise ConfigError if `megatron-async eval` cannot evaluate model.hf_path on data.eval: the
+    checkpoint, its tokenizer and template, the prompts and the CPU lists; not data.train, the
+    learner's TP x PP split or a checkpoint to resume, which an evaluation does not use."""
+    try:
+        _check_model_and_data(cfg, ("data.eval",))
+        _check_cpu_lists(cfg)
+    finally:
+        _TOKENIZERS.clear()
+
+
 def _preflight(cfg: Config, world_size: int | None) -> None:
-    _check_model(cfg)
-    if cfg.data.chat_template:
-        _check_chat_template(cfg)
-    if cfg.reward.kind == "reward_model":
-        _check_reward_model(cfg)
-    _check_prompt_template(cfg)
-    sources = {key: _check_data_source(cfg, key) for key in ("data.train", "data.eval")}
-    _check_prompt_lengths(cfg, sources)
-    _check_cpu_lists(cfg)
-    world = world_size if world_size is not None else cfg.parallel.world_size
+    arch = _check_model_and_data(cfg, ("data.train", "data.eval"))
     par = cfg.parallel
+    split_problems = arch.split_problems(par.tp, par.pp) if arch is not None else []
+    if split_problems:
+        axis, why = split_problems[0]
+        raise ConfigError(f"key 'parallel.{axis}' = {getattr(par, axis)}: {why} in {cfg.model.hf_path}/config.json")
+    _check_cpu_lists(cfg)
+    world = world_size if world_size is not None else par.world_size
     if world:
         _require(world % (par.tp * par.pp) == 0, "parallel.world_size", world,
                  f"must be a multiple of tp x pp = {par.tp} x {par.pp} = {par.tp * par.pp}")
@@ -53,6 +62,19 @@ def _preflight(cfg: Config, world_size: int | None) -> None:
         placement.check_fit(cfg, cfg.placement.gpus_per_node, world or None)
     if cfg.run.resume and latest_checkpoint(cfg) is None:
         raise ConfigError(f"key 'run.resume' = True: no checkpoint in {checkpoint_root(cfg)} (nothing was saved yet)")
+
+
+def _check_model_and_data(cfg: Config, data_keys: tuple[str, ...]) -> LlamaArch | None:
+    """The policy checkpoint, its chat template, the reward model, the prompt template and the data
+    sources `data_keys` with their prompts' lengths -> the policy's architecture (None: tiny)."""
+    arch = _check_model(cfg)
+    if cfg.data.chat_template:
+        _check_chat_template(cfg)
+    if cfg.reward.kind == "reward_model":
+        _check_reward_model(cfg)
+    _check_prompt_template(cfg)
+    _check_prompt_lengths(cfg, {key: _check_data_source(cfg, key) for key in data_keys})
+    return arch
 
 
 def _require(ok: bool, key: str, value: Any, why: str) -> None:
@@ -69,12 +91,12 @@ def _read_config_json(model_dir: str, key: str) -> dict:
         raise ConfigError(f"{path}: cannot read the model config: {e}") from None
 
 
-def _check_model(cfg: Config) -> None:
+def _check_model(cfg: Config) -> LlamaArch | None:
     """The policy checkpoint as the learner will read it (`learner.model.read_arch`: a supported
-    LLaMA-family architecture), split TP x PP, with room for prompt + completion in its positions
-    and a tokenizer whose every id has an embedding (`models.base_model.load_tokenizer`)."""
+    LLaMA-family architecture) with room for prompt + completion in its positions and a tokenizer
+    whose every id has an embedding (`models.base_model.load_tokenizer`) -> its architecture."""
     if cfg.model.hf_path == "tiny":
-        return  # built from model.tiny_*, checked by config.validate
+        return None  # built from model.tiny_*, checked by config.validate
     par, config_json = cfg.parallel, Path(cfg.model.hf_path) / "config.json"
     hf = _read_config_json(cfg.model.hf_path, "model.hf_path")
     try:
@@ -83,8 +105,6 @@ def _check_model(cfg: Config) -> None:
         raise ConfigError(f"{config_json}: missing key {e} (key 'model.hf_path' = {cfg.model.hf_path!r})") from None
     except (ValueError, TypeError) as e:
         raise ConfigError(f"key 'model.hf_path' = {cfg.model.hf_path!r}: {config_json}: {e}") from None
-    for axis, why in arch.split_problems(par.tp, par.pp):
-        _require(False, f"parallel.{axis}", getattr(par, axis), f"{why} in {config_json}")
     # The vocabulary needs no check against TP: the learner pads it to a multiple of
     # model.make_vocab_size_divisible_by x tp (learner/model.py); it must be a positive integer.
     vocab = arch.vocab_size
@@ -98,6 +118,7 @@ def _check_model(cfg: Config) -> None:
              f"+ rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) = {budget} tokens, over the model's "
              f"max_position_embeddings ({positions}) in {config_json}")
     _tokenizer(cfg)  # loads and checks it against vocab_size
+    return arch
 
 
 def _check_chat_template(cfg: Config) -> None:
