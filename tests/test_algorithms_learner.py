@@ -108,7 +108,7 @@ def test_ppo_refuses_a_reward_model_it_cannot_start_the_value_model_from(tiny_ck
     from megatron_async.run.preflight import preflight
 
     ppo = ["trainer.algorithm=ppo", "reward.kind=reward_model"]
-    with pytest.raises(ConfigError, match=r"'reward.model_path'.*num_key_value_heads=1"):  # the RM's 1 KV head
+    with pytest.raises(ConfigError, match=r"'reward.model_path'.*tp=2 must divide num_key_value_heads \(1\)"):  # the RM's 1 KV head
         preflight(load_config(None, [*ppo, f"reward.model_path={tiny_rm}", "parallel.tp=2"]))
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()

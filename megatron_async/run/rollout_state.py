@@ -154,10 +154,13 @@ class RolloutState:
         self.data_state = batch.data_state
         self.history.append({"step": step, **metrics})
         tracker.log_metrics(metrics, step=step)
-        log.info("step %d | reward %.3f | loss %.4f | kl %.3f | lag %.1f | gen %.1fs train %.1fs sync %.2fs idle %.1fs",
-                 step, mean, metrics.get("train/loss", float("nan")), metrics.get("kl/ref", float("nan")),
+        left = self.cfg.trainer.steps - step - 1  # the estimate: this step's wall time for each step left
+        log.info("step %d/%d | reward %.3f | loss %.4f | kl %.3f | lag %.1f | gen %.1fs train %.1fs sync %.2fs "
+                 "idle %.1fs | eta %.1f min", step + 1, self.cfg.trainer.steps, mean,
+                 metrics.get("train/loss", float("nan")), metrics.get("kl/ref", float("nan")),
                  metrics["rollout/lag_mean"], batch.gen_seconds, metrics["timing/train_s"],
-                 metrics["timing/sync_s"], metrics["timing/learner_idle_s"])
+                 metrics["timing/sync_s"], metrics["timing/learner_idle_s"],
+                 left * metrics["timing/step_wall_s"] / 60)
 
     def k(self) -> int:
         """Completions per prompt for the batches generated from now on."""
