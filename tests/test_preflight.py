@@ -169,6 +169,23 @@ def test_a_tokenizer_with_ids_past_the_vocabulary_is_refused(edited_model):
         preflight(load_config(None, [edited_model(vocab_size=200)]))
 
 
+def test_bf16_replicas_on_a_cpu_that_emulates_bf16_are_warned_about(monkeypatch, caplog, tmp_path):
+    from megatron_async.cluster.cpu_affinity import cpu_flags
+    from megatron_async.run import preflight as module
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    assert cpu_flags(str(info)) == {"fpu", "sse", "avx2", "avx512f"} and cpu_flags(str(tmp_path / "none")) == set()
+    monkeypatch.setattr(module.torch.cuda, "device_count", lambda: 0)
+    for flags, dtype, warned in (({"avx2"}, "bfloat16", True), ({"avx2", "avx512_bf16"}, "bfloat16", False),
+                                 ({"avx2"}, "float32", False), (set(), "bfloat16", False)):
+        monkeypatch.setattr(module, "cpu_flags", lambda: flags)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="megatron_async.run.preflight"):
+            preflight(load_config(None, [f"model.dtype={dtype}"]))
+        assert ("vLLM emulates bf16" in caplog.text) == warned, (flags, dtype, caplog.text)
+
+
 # --------------------------------------------------------------------------- the command line
 
 

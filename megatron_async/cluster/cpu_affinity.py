@@ -28,6 +28,21 @@ _ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
 _ORIGINAL_AFFINITY: set[int] | None = None
 
 
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """The instruction-set flags of this machine's first CPU (Linux); empty where it cannot be read."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # without one, CPU kernels emulate bf16
+
+
 def parse_cpu_list(text: str) -> list[int]:
     """'0', '0-3', '0,2-3' -> sorted CPU ids; '' -> []. Raises ValueError on anything else."""
     text = str(text).strip()

@@ -13,17 +13,23 @@ the learner or any replica has started.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from megatron_async.algorithms import ALGORITHMS
 from megatron_async.cluster import placement
-from megatron_async.cluster.cpu_affinity import available_cpus, format_cpu_list, parse_cpu_list
+from megatron_async.cluster.cpu_affinity import (NATIVE_BF16_FLAGS, available_cpus, cpu_flags, format_cpu_list,
+                                                  parse_cpu_list)
 from megatron_async.config import Config, ConfigError
 from megatron_async.data import DataError, Problem, format_prompt, load_file, tokenize_prompts
 from megatron_async.learner.model import LlamaArch, read_arch
 from megatron_async.models.base_model import load_tokenizer
 from megatron_async.run.checkpoint import checkpoint_root, latest_checkpoint
+
+log = logging.getLogger(__name__)
 
 
 def preflight(cfg: Config, world_size: int | None = None) -> None:
@@ -41,6 +47,7 @@ def preflight_eval(cfg: Config) -> None:
     try:
         _check_model_and_data(cfg, ("data.eval",))
         _check_cpu_lists(cfg)
+        _warn_on_emulated_bf16(cfg)
     finally:
         _TOKENIZERS.clear()
 
@@ -53,6 +60,7 @@ def _preflight(cfg: Config, world_size: int | None) -> None:
         axis, why = split_problems[0]
         raise ConfigError(f"key 'parallel.{axis}' = {getattr(par, axis)}: {why} in {cfg.model.hf_path}/config.json")
     _check_cpu_lists(cfg)
+    _warn_on_emulated_bf16(cfg)
     world = world_size if world_size is not None else par.world_size
     if world:
         _require(world % (par.tp * par.pp) == 0, "parallel.world_size", world,
@@ -214,3 +222,16 @@ def _check_cpu_lists(cfg: Config) -> None:
         missing = [c for c in cpus if c not in have]
         _require(not missing, key, text, f"CPU(s) {format_cpu_list(missing)} do not exist here "
                  f"(this machine has CPUs 0-{max(have)}; '' = no pinning)")
+
+
+def _warn_on_emulated_bf16(cfg: Config) -> None:
+    """bf16 replicas on a CPU without native bf16 run, but slowly: a warning, not a refusal.
+    (Measured 2026-12-01, SmolLM2-135M in vLLM on one AVX2 core with 63-64 requests running: bf16
+    ~35 tokens/s, fp32 ~180; docs/real-models.md.)"""
+    if cfg.model.dtype != "bfloat16" or cfg.rollout.replica_urls or torch.cuda.device_count() > 0:
+        return
+    flags = cpu_flags()
+    if flags and not flags & NATIVE_BF16_FLAGS:
+        log.warning("model.dtype=bfloat16 on a CPU without %s: vLLM emulates bf16 here and generates several "
+                    "times slower than in float32; model.dtype=float32 is the faster choice on this machine",
+                    " or ".join(sorted(NATIVE_BF16_FLAGS)))
