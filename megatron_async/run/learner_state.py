@@ -124,7 +124,9 @@ class LearnerState:
         # K) are never split.
         parts = [dp_shard(part, algo.unit, self.layout.dp, self.layout.dp_rank)
                  for part in split_units(rows, algo.unit, t.minibatches)]
-        metrics.update({"train/rows": float(len(rows)), "train/rows_this_dp_rank": float(sum(map(len, parts)))})
+        metrics.update({"train/rows": float(len(rows)), "train/rows_this_dp_rank": float(sum(map(len, parts))),
+                        # prompt + completion tokens, counted once per pass (not the microbatches' padding)
+                        "train/tokens": float(updates * sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows))})
         minibatches = [algo.microbatches(part, self.pad_id, t.micro_batch_size, self.layout.device) for part in parts]
         metrics.update({key: float(v) for key, v in algo.prepare(minibatches, self).items()})
         loss_fn = faults.poison_loss_at(step, algo.loss)

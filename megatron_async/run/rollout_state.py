@@ -145,6 +145,8 @@ class RolloutState:
                         "reward/mean": mean, "reward/std": std, "reward/errors": float(batch.reward_errors),
                         "reward/timeouts": float(batch.reward_timeouts),
                         "rollout/tokens_per_s": n_tokens / max(batch.gen_seconds, 1e-9),
+                        # the learner's: every DP rank's tokens (all ranks train at once) over the step's train time
+                        "train/tokens_per_s": metrics.get("train/tokens", 0.0) / max(metrics["timing/train_s"], 1e-9),
                         # rollout.weight_update=during_generation: completions whose tokens span versions
                         "rollout/multi_version_samples": float(sum(c.policy_version_max > c.policy_version
                                                                    for cs in batch.completions for c in cs)),
