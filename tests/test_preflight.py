@@ -161,6 +161,11 @@ def test_a_checkpoint_the_learner_cannot_build_is_refused(edited_model):
             preflight(load_config(None, [edited_model(**fields)]))
     with pytest.raises(ConfigError, match="directory not found"):
         preflight(load_config(None, ["model.hf_path=/nonexistent/model"]))
+    model = edited_model()
+    for weights in Path(model.split("=", 1)[1]).glob("*.safetensors"):
+        weights.rename(weights.with_suffix(".bin"))
+    with pytest.raises(ConfigError, match=r"has no \*.safetensors weights .* pytorch_model.bin is a pickle"):
+        preflight(load_config(None, [model]))
 
 
 def test_a_tokenizer_with_ids_past_the_vocabulary_is_refused(edited_model):

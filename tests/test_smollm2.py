@@ -100,7 +100,7 @@ def test_two_seeded_rl_steps_on_real_gsm8k(exported, tmp_path):
     run_dir = tmp_path / "cpu_smollm2_gsm8k"
     history = json.loads((run_dir / "history.json").read_text())
     assert [h["step"] for h in history] == [0, 1] and all(h["rollout/samples"] == 4 for h in history)
-    assert all(h["timing/train_s"] > 0 and h["rollout/tokens_per_s"] > 0 for h in history)
+    assert all(h["timing/train_s"] > 0 and h["rollout/tokens_per_s"] > 0 and h["train/tokens_per_s"] > 0 for h in history)
     after = json.loads((run_dir / "eval_after.json").read_text())
     assert after["n"] == 2 and all(r["verdict"] in ("correct", "wrong") for r in after["results"])
     assert "pass@1 on 2 held-out problems: before" in proc.stdout

@@ -125,6 +125,9 @@ def _check_model(cfg: Config) -> LlamaArch | None:
     _require(budget <= positions, "data.max_prompt_tokens", cfg.data.max_prompt_tokens,
              f"+ rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) = {budget} tokens, over the model's "
              f"max_position_embeddings ({positions}) in {config_json}")
+    _require(any(Path(cfg.model.hf_path).glob("*.safetensors")), "model.hf_path", cfg.model.hf_path,
+             "has no *.safetensors weights (weights are read from safetensors only: a pytorch_model.bin is a "
+             "pickle and is never loaded; save the model with save_pretrained(safe_serialization=True))")
     _tokenizer(cfg)  # loads and checks it against vocab_size
     return arch
 
