@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve-replica":
         return _load("megatron_async.rollout.build", "serve-replica").serve_replica(cfg, args.index)
     if args.command == "eval":
-        return _load("megatron_async.run.evaluate", "eval").main(cfg, checkpoint=args.checkpoint, data=args.data,
+        return _load("megatron_async.run.eval_command", "eval").main(cfg, checkpoint=args.checkpoint, data=args.data,
                                                              output=args.output)
     raise AssertionError(args.command)
 

@@ -1,14 +1,11 @@
 """Held-out evaluation with greedy decoding through the vLLM replicas, scored by the run's reward.
 
-    megatron-async eval configs/cpu_tiny.yaml --checkpoint runs/cpu_tiny/hf_final --output eval.json
-
 The headline number is the mean reward of the greedy completions over the prompts that could be
 scored, named by `reward.kind` (EVAL_METRIC): pass@1 for GSM8k exact match, the mean reward-model
 score ("rm_score") for a reward model. Samples that could not be scored are counted ("errors",
 "timeouts") and left out of the mean, never counted as 0. `greedy_eval` is what the trainer calls
-before and after RL (on its own pool and scorer); `main` starts a pool on any HF checkpoint and
-evaluates any jsonl/parquet file or `datasets` name, formatted as the config says (chat template
-included: `data.chat_template=true`), with a progress bar over chunks of prompts.
+before and after RL (on its own pool and scorer) and what `megatron-async eval` calls on any HF
+checkpoint (run/eval_command.py), with a progress bar over chunks of prompts.
 
 The JSON (`--output`; eval_<tag>.json in a run dir) holds the headline numbers and, per problem:
 id, question, reference answer, completion, the number read from it ("extracted", exact match),
@@ -17,26 +14,10 @@ the reward, the verdict ("correct" / "wrong" for exact match, "scored" for a rew
 """
 from __future__ import annotations
 
-import json
-import logging
-import sys
-from dataclasses import replace
-from pathlib import Path
-
 from tqdm import tqdm
 
-from megatron_async.config import ConfigError
-from megatron_async.data import DataError, load_prompts
-from megatron_async.io_utils import atomic_write_text
-from megatron_async.models.base_model import load_tokenizer
-from megatron_async.rewards import extract_answer, make_scorer
-from megatron_async.rollout.build import replica_spec
-from megatron_async.rollout.pool import ReplicaPool
+from megatron_async.rewards import extract_answer
 from megatron_async.rollout.replica import Sampling
-from megatron_async.run.preflight import preflight_eval
-
-log = logging.getLogger(__name__)
-
 
 EVAL_METRIC = {"gsm8k_exact_match": "pass@1", "reward_model": "rm_score"}  # reward.kind -> name
 
@@ -81,39 +62,3 @@ def greedy_eval(pool, tokenizer, prompts, scorer, reward_kind: str, max_new_toke
     metric = EVAL_METRIC[reward_kind]
     return {"metric": metric, metric: sum(kept) / len(kept) if kept else float("nan"), "n": len(results),
             "scored": len(kept), "errors": report.n_errors, "timeouts": report.n_timeouts, "results": results}
-
-
-def main(cfg, checkpoint: str | None = None, data: str | None = None, output: str | None = None) -> int:
-    model = Path(checkpoint or cfg.model.hf_path)
-    if not (model / "config.json").exists():
-        print(f"megatron-async eval: {model} is not an HF checkpoint folder (no config.json)", file=sys.stderr)
-        return 2
-    cfg = replace(cfg, model=replace(cfg.model, hf_path=str(model)), data=replace(cfg.data, eval=data or cfg.data.eval))
-    try:
-        preflight_eval(cfg)  # the checkpoint, its tokenizer and template, the file's prompts: one line if not
-        tokenizer = load_tokenizer(model)
-        prompts, dropped = load_prompts(cfg, tokenizer, cfg.data.eval, "test", cfg.data.eval_size)
-    except (ConfigError, DataError) as e:  # DataError: a `datasets` source, read only here
-        print(f"megatron-async eval: {e}", file=sys.stderr)
-        return 2
-    r = cfg.rollout
-    scorer = make_scorer(cfg.reward)
-    try:
-        with ReplicaPool(replica_spec(cfg, model), r.num_replicas, host=r.host, key=r.token or None) as pool:
-            result = greedy_eval(pool, tokenizer, prompts, scorer, cfg.reward.kind, r.max_new_tokens, r.stop,
-                                 cfg.reward.on_error, progress=True, desc=f"eval {model.name}")
-    finally:
-        scorer.close()
-    result.update({"model": str(model), "data": cfg.data.eval, "chat_template": cfg.data.chat_template,
-                   "dropped_long_prompts": dropped})
-    metric = result["metric"]
-    noise = ""
-    if metric == "pass@1" and result["scored"]:
-        p, n = result[metric], result["scored"]
-        noise = f" +- {(p * (1 - p) / n) ** 0.5:.4f} (binomial s.e.)"
-    print(f"{metric} = {result[metric]:.4f}{noise} over {result['scored']}/{result['n']} scored prompts "
-          f"({result['errors']} errors, {result['timeouts']} timeouts) on {cfg.data.eval}")
-    if output:
-        atomic_write_text(output, json.dumps(result, indent=1))
-        print(f"per-problem completions and verdicts: {output}")
-    return 0
