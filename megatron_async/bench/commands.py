@@ -3,6 +3,7 @@
     megatron-async bench async configs/cpu_tiny.yaml [overrides] --seeds 1 2 --out-dir runs/bench_async
     megatron-async bench sweep configs/cpu_tiny.yaml [overrides] --out-dir runs/bench_sweep
     megatron-async bench rollout [tools/bench_rollout.py arguments]
+    megatron-async bench learner [bench/learner.py arguments]   # our learner step vs plain PyTorch
 
 `async`: the same config, seeds and steps are trained with rollout.max_lag=0 (synchronous
 baseline) and max_lag=1 (one-step off-policy), each as a subprocess `python -m megatron_async
@@ -48,6 +49,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from megatron_async.bench import learner as bench_learner
 from megatron_async.bench import report
 from megatron_async.bench.contention import run_contention
 from megatron_async.config import ConfigError, load_config
@@ -558,6 +560,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-lag", type=int, default=0,
                    help="0 (default): N is the only source of off-policyness, as in the paper's Figure 4")
     sub.add_parser("rollout", help="tools/bench_rollout.py (its own arguments follow)", add_help=False)
+    sub.add_parser("learner", help="our learner step vs a plain PyTorch step of the same batch (bench/learner.py)",
+                   add_help=False)
     return p
 
 
@@ -565,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "rollout":
         return subprocess.call([sys.executable, str(REPO / "tools" / "bench_rollout.py"), *argv[1:]], cwd=REPO)
+    if argv and argv[0] == "learner":
+        return bench_learner.main(argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv
     if args.what == "sweep" and not args.full:
