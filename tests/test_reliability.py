@@ -29,6 +29,33 @@ def test_nan_step_is_skipped_and_repeated_nans_stop_with_a_checkpoint(tmp_path):
     assert (ckpt / "latest").read_text().strip() == "step_000003"
 
 
+def test_a_run_that_trains_on_nothing_but_nan_never_ends_with_exit_0():
+    """run/trainer.py's BadStepGuard, as Trainer.train calls it after each step: NaN/inf loss or
+    gradients (train/skipped) and batches without one reward (all scores NaN/inf or failed) are bad;
+    max_bad_steps in a row stop the run, and so does a shorter run whose every step was bad."""
+    from megatron_async.rollout.producer import RolloutBatch
+    from megatron_async.run.trainer import BadStepGuard
+
+    def batch(rewards):
+        return RolloutBatch(index=0, policy_version=0, problems=[None] * len(rewards),
+                            completions=[[None] * len(r) for r in rewards], rewards=rewards)
+
+    scored, unscored = batch([[1.0, 0.0], [0.0, None]]), batch([[None, None], [None, None]])
+    nan_step, trained, tied = {"train/skipped": 1.0}, {"train/skipped": 0.0}, {}  # tied: all prompts tie, no train/*
+    steps = [(scored, nan_step), (unscored, {}), (scored, trained), (batch([[1.0, 1.0]]), tied),
+             (scored, nan_step), (unscored, {}), (scored, {"train/skipped": 0.5})]
+    guard = BadStepGuard(max_bad_steps=3, steps_to_run=10)
+    verdicts = [guard.record(step, b, m) for step, (b, m) in enumerate(steps)]
+    assert verdicts[:6] == [None] * 6  # two bad, then a trained step and a tied one reset the count
+    assert verdicts[6] == ("3 consecutive learner steps had NaN/inf loss or gradients or no sample with a reward "
+                           "(steps 4..6; trainer.max_bad_steps=3)")
+    short = BadStepGuard(max_bad_steps=3, steps_to_run=2)  # e.g. resumed at step 5 of 7
+    assert short.record(5, scored, nan_step) is None
+    assert "(steps 5..6, every step of this run; trainer.max_bad_steps=3)" in short.record(6, unscored, {})
+    short = BadStepGuard(max_bad_steps=3, steps_to_run=2)
+    assert short.record(0, scored, trained) is None and short.record(1, scored, nan_step) is None
+
+
 def test_tokenizer_that_does_not_fit_the_model_is_refused(tiny_ckpts, tmp_path):
     import json
     import shutil

@@ -105,7 +105,7 @@ class Trainer:
         before = self._evaluate("before") if self.start_step == 0 else None
         if self.rollout is not None:
             self.rollout.start_producer(first_batch=self.start_step)
-        bad_steps = 0  # consecutive steps skipped for NaN/inf
+        guard = BadStepGuard(t.max_bad_steps, steps_to_run=t.steps - self.start_step)
         for step in range(self.start_step, t.steps):
             timer = StepTimer()  # timing/*: the steps phase only (no set-up, SFT, eval)
             with timer("step_wall"):
@@ -127,15 +127,13 @@ class Trainer:
                 self.rollout.record_step(step, batch, metrics, self.tracker)
                 self.rollout.adapt_lag(step, metrics)
                 self.rollout.rebalance(step, metrics)
+            saved = None
             if (t.checkpoint_every and (step + 1) % t.checkpoint_every == 0) or step + 1 == t.steps:
-                self._checkpoint(next_step=step + 1)
+                saved = self._checkpoint(next_step=step + 1)
                 faults.crash_after_checkpoint(step + 1)
-            bad_steps = bad_steps + 1 if metrics.get("train/skipped", 0.0) > 0 else 0
-            if bad_steps >= t.max_bad_steps:
-                path = self._checkpoint(next_step=step + 1)
-                raise RuntimeError(f"{bad_steps} consecutive learner steps had NaN/inf loss or gradients "
-                                   f"(steps {step + 1 - bad_steps}..{step}; trainer.max_bad_steps="
-                                   f"{t.max_bad_steps}); stopping. The last good weights are in {path}")
+            if stop := guard.record(step, batch, metrics):
+                path = saved or self._checkpoint(next_step=step + 1)
+                raise RuntimeError(f"{stop}; stopping. The last good weights are in {path}")
         after = self._evaluate("after")
         export_hf([c.module for c in self.learner.policy.chunks], cfg.run_dir / "hf_final", tokenizer_dir=self.init_model)
         if self.rollout is not None:
@@ -225,6 +223,31 @@ class Trainer:
         if self.rollout is not None:
             self.rollout.close()
         self.tracker.close()
+
+
+@dataclass
+class BadStepGuard:
+    """Stops a run that learns nothing but NaN. A step is bad when the learner skipped an optimizer
+    step for a NaN/inf loss or gradient (`train/skipped` > 0: weights untouched) or when no sample
+    of its batch kept a reward (every score NaN/inf or failed, dropped under reward.on_error=drop:
+    nothing to train on). `trainer.max_bad_steps` bad steps in a row stop the run; so does a run
+    that ends with every one of its steps bad, though fewer than that: such a run never exits 0.
+    Steps with nothing to train on because every prompt's rewards tie are not bad: they are a
+    learning signal's absence, not a numerical failure (counted in the algorithms' metrics)."""
+
+    max_bad_steps: int
+    steps_to_run: int  # this run's steps (after a resume: those left)
+    in_a_row: int = 0
+
+    def record(self, step: int, batch: RolloutBatch, metrics: dict[str, float]) -> str | None:
+        """Count learner step `step` (its batch and metrics) -> why the run must stop now, or None."""
+        no_reward = all(r is None for rewards in batch.rewards for r in rewards)
+        self.in_a_row = self.in_a_row + 1 if metrics.get("train/skipped", 0.0) > 0 or no_reward else 0
+        if self.in_a_row < min(self.max_bad_steps, self.steps_to_run):
+            return None
+        every = ", every step of this run" if self.in_a_row < self.max_bad_steps else ""
+        return (f"{self.in_a_row} consecutive learner steps had NaN/inf loss or gradients or no sample with a "
+                f"reward (steps {step + 1 - self.in_a_row}..{step}{every}; trainer.max_bad_steps={self.max_bad_steps})")
 
 
 def _weight_sender(cfg: Config, layout: ParallelLayout, urls: list[str], key: str) -> WeightSender | NcclSender | None:
