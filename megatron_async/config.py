@@ -4,11 +4,12 @@
     megatron-async config --explain trainer.lr       # every key's type, default and help
 
 Every key is a field of a dataclass below, declared with `opt(default, help)`. Loading checks the
-config on its own, once: unknown keys, wrong types, values out of range and settings that cannot
-work together (TP must divide the tiny model's heads and query groups, lag >= 0, K as the
-algorithm needs, ...). What needs the world (files, model architectures, data, CPUs, GPUs) is
-checked by `run.preflight` before anything starts. Each failure is one `ConfigError` naming the
-key, the value and where it came from (file or command line).
+config on its own, once: unknown keys, keys given twice in a file, wrong types, values out of
+range and settings that cannot work together (TP must divide the tiny model's heads and query
+groups, lag >= 0, K as the algorithm needs, ...). What needs the world (files, model
+architectures, data, CPUs, GPUs) is checked by `run.preflight` before anything starts. Each
+failure is one `ConfigError` naming the key, the value and where it came from (file or command
+line).
 """
 from __future__ import annotations
 
@@ -244,7 +245,9 @@ class TrainerConfig:
     lam: float = opt(0.95, "PPO GAE lambda")
     checkpoint_every: int = opt(10, "steps between checkpoints (0 = only at the end)")
     eval_every: int = opt(0, "steps between pass@1 evaluations (0 = before and after only)")
-    max_bad_steps: int = opt(3, "consecutive NaN/inf steps before the run stops")
+    max_bad_steps: int = opt(3,
+        "consecutive bad steps (NaN/inf loss or gradients, or no sample with a reward) before the run stops with "
+        "an error; a run of fewer steps stops at its end if every step was bad (run/trainer.py: BadStepGuard)")
 
 
 @dataclass
@@ -327,7 +330,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            with open(p, "rb") as f:  # a named stream: DuplicateKeyLoader names the file
+                data = yaml.load(f, Loader=DuplicateKeyLoader) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {e}") from None
         if not isinstance(data, dict):
@@ -346,6 +350,27 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         cfg.rollout.token = os.environ.get(TOKEN_ENV, "")
     validate(cfg)
     return cfg
+
+
+class DuplicateKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping, at any depth: PyYAML keeps the
+    last one silently, so a key set again further down a config file would quietly win over the
+    first. Raises ConfigError naming the file, the key and both lines. Merge keys (`<<: *anchor`)
+    may still be overridden, as YAML intends."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+            if not isinstance(key, typing.Hashable):  # SafeLoader's own error says so
+                break
+            if key in first_line:
+                raise ConfigError(f"{key_node.start_mark.name}: key {key!r} given twice (lines "
+                                  f"{first_line[key]} and {line})")
+            first_line[key] = line
+        return super().construct_mapping(node, deep)
 
 
 def _apply_mapping(obj: Any, data: dict, prefix: str, source: str) -> None:
@@ -451,7 +476,8 @@ def validate(cfg: Config) -> None:
                        ("rollout.max_new_tokens", r.max_new_tokens), ("trainer.minibatches", t.minibatches),
                        ("trainer.updates_per_batch", t.updates_per_batch), ("trainer.micro_batch_size", t.micro_batch_size),
                        ("rollout.k", r.k), ("data.max_prompt_tokens", cfg.data.max_prompt_tokens),
-                       ("model.make_vocab_size_divisible_by", cfg.model.make_vocab_size_divisible_by)]:
+                       ("model.make_vocab_size_divisible_by", cfg.model.make_vocab_size_divisible_by),
+                       ("trainer.max_bad_steps", t.max_bad_steps)]:
         _require(value >= 1, key, value, "must be >= 1")
     for key, value in [("trainer.steps", t.steps), ("sft.steps", cfg.sft.steps), ("trainer.warmup_steps", t.warmup_steps),
                        ("parallel.world_size", par.world_size), ("data.eval_size", cfg.data.eval_size)]:
@@ -482,6 +508,7 @@ def validate(cfg: Config) -> None:
     _require(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
     _require(r.kv_cache_gib > 0, "rollout.kv_cache_gib", r.kv_cache_gib, "vLLM on CPU needs a KV cache size > 0")
     _require(r.sync_bucket_mb >= 1, "rollout.sync_bucket_mb", r.sync_bucket_mb, "must be >= 1")
+    _require(cfg.tracking.flush_timeout_s > 0, "tracking.flush_timeout_s", cfg.tracking.flush_timeout_s, "must be > 0")
     if r.weight_transport == "shm":
         _require(r.host in LOOPBACK_HOSTS and not cfg.placement.dedicated_replica_node and not r.replica_urls,
                  "rollout.weight_transport", r.weight_transport,

@@ -6,7 +6,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_async.config import Config, ConfigError, flatten, load_config, save_config
+from megatron_async.config import Config, ConfigError, DuplicateKeyLoader, flatten, load_config, save_config
 from megatron_async.run.preflight import preflight
 
 
@@ -78,6 +78,8 @@ def test_literal_choices():
     (["trainer.algorithm=ppo", "trainer.value_lr=0"], "trainer.value_lr"),
     (["trainer.algorithm=ppo", "trainer.lam=1.5"], "trainer.lam"),
     (["model.make_vocab_size_divisible_by=0"], "model.make_vocab_size_divisible_by"),
+    (["trainer.max_bad_steps=0"], "trainer.max_bad_steps"),
+    (["tracking.flush_timeout_s=0"], "tracking.flush_timeout_s"),
 ])
 def test_impossible_settings_fail_naming_the_key(overrides, key):
     with pytest.raises(ConfigError) as e:  # the schema's checks or the preflight's: before anything starts
@@ -107,6 +109,21 @@ def test_bad_yaml_and_non_mapping(tmp_path):
     lst.write_text("- 1\n")
     with pytest.raises(ConfigError, match="list.yaml.*mapping"):
         load_config(lst)
+
+
+def test_a_key_given_twice_names_the_file_and_both_lines(tmp_path):
+    """PyYAML would keep the last silently; at any depth, block or flow style."""
+    p = tmp_path / "twice.yaml"
+    for text, key, lines in [("trainer:\n  lr: 1.0e-5\nrollout:\n  k: 4\ntrainer:\n  steps: 5\n", "trainer", (1, 5)),
+                             ("run:\n  name: a\ntrainer:\n  lr: 1.0e-5\n  steps: 3\n  lr: 2.0e-5\n", "lr", (4, 6)),
+                             ("rollout: {k: 4, stop: [x], k: 8}\n", "k", (1, 1))]:
+        p.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            load_config(p)
+        assert str(e.value) == f"{p}: key '{key}' given twice (lines {lines[0]} and {lines[1]})"
+    # a merge key's values may be overridden, as YAML intends
+    merged = yaml.load("a: &x {k: 1, j: 2}\nb:\n  <<: *x\n  k: 3\n", Loader=DuplicateKeyLoader)
+    assert merged == {"a": {"k": 1, "j": 2}, "b": {"k": 3, "j": 2}}
 
 
 def test_saved_config_round_trips_and_redacts_secrets(tmp_path):
