@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from megatron_async.config import ConfigError, load_config
+from megatron_async.learner.mapping import expected_hf_shapes
+from megatron_async.learner.model import read_arch
 from megatron_async.run.preflight import preflight
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,8 +50,6 @@ def hf_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def chat_model(hf_model, tmp_path_factory):
     """The same checkpoint with a ChatML chat template on its tokenizer."""
-    import shutil
-
     from transformers import AutoTokenizer
 
     out = shutil.copytree(hf_model, tmp_path_factory.mktemp("chat") / "m")
@@ -109,15 +113,20 @@ def test_long_prompts_found_before_the_learner_starts(chat_model, tmp_path):
 
 @pytest.fixture
 def edited_model(hf_model, tmp_path):
-    """edit(**fields) -> a copy of hf_model whose config.json has `fields` changed (None deletes one)."""
-    import shutil
-
+    """edit(**fields) -> a copy of hf_model whose config.json has `fields` changed (None deletes one)
+    and whose weights (zeros) have the shapes it implies, so the preflight gets to the check a test
+    is about (a config.json that the learner cannot read keeps the original weights)."""
     model = shutil.copytree(hf_model, tmp_path / "edited")
     original = json.loads((model / "config.json").read_text())
 
     def edit(**fields):
         hf = {**original, **fields}
         (model / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if v is not None}))
+        try:
+            shapes = expected_hf_shapes(read_arch(model))
+        except (KeyError, ValueError, TypeError):
+            return f"model.hf_path={model}"
+        save_file({name: torch.zeros(shape) for name, shape in shapes.items()}, str(model / "model.safetensors"))
         return f"model.hf_path={model}"
     return edit
 
@@ -168,6 +177,84 @@ def test_a_checkpoint_the_learner_cannot_build_is_refused(edited_model):
         preflight(load_config(None, [model]))
 
 
+@pytest.fixture
+def model_copy(hf_model, tmp_path) -> Path:
+    """A copy of hf_model to break."""
+    return shutil.copytree(hf_model, tmp_path / "model")
+
+
+def test_truncated_weights_are_refused_naming_the_file_and_tensor(model_copy):
+    """An interrupted copy: found from the safetensors header and the file size, before torchrun,
+    not as a SafetensorError on learner rank 0; weights whose shapes config.json does not imply too."""
+    weights = model_copy / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size - 1000)
+    with pytest.raises(ConfigError, match=rf"key 'model.hf_path' = '{model_copy}': {weights}: truncated: tensor "
+                                          rf"model\.\S+ \(F32 \[\d+(, \d+)?\]\) ends at byte \d+, the file has "
+                                          rf"{size - 1000} bytes"):
+        preflight(load_config(None, [f"model.hf_path={model_copy}"]))
+    with open(weights, "r+b") as f:
+        f.truncate(4)  # not even the header's length
+    with pytest.raises(ConfigError, match=rf"{weights}: truncated: 4 bytes, too short"):
+        preflight(load_config(None, [f"model.hf_path={model_copy}"]))
+    hf = json.loads((model_copy / "config.json").read_text())
+    save_file({name: torch.zeros(shape) for name, shape in expected_hf_shapes(read_arch(hf)).items()}, str(weights))
+    (model_copy / "config.json").write_text(json.dumps({**hf, "intermediate_size": 48}))
+    with pytest.raises(ConfigError, match=rf"key 'model.hf_path' = '{model_copy}': HF checkpoint {model_copy} does "
+                                          r"not match its config.json: tensor model.layers.0.mlp.down_proj.weight in "
+                                          r"model.safetensors has shape \[32, 64\], the config implies \[32, 48\]; "):
+        preflight(load_config(None, [f"model.hf_path={model_copy}"]))
+
+
+def test_nan_or_inf_in_the_weights_is_refused_naming_the_tensor(model_copy):
+    weights = model_copy / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    tensors["model.layers.1.mlp.up_proj.weight"][4, 0] = float("-inf")
+    save_file(tensors, str(weights))
+    with pytest.raises(ConfigError, match=rf"key 'model.hf_path' = '{model_copy}': {weights}: tensor "
+                                          r"model.layers.1.mlp.up_proj.weight: 2 of its 2048 values are NaN or inf"):
+        preflight(load_config(None, [f"model.hf_path={model_copy}"]))
+
+
+def test_a_model_folder_without_tokenizer_files_is_refused_naming_them(model_copy):
+    """Not transformers' "You need to have sentencepiece or tiktoken installed" (misleading: it
+    has both); the files that are missing and the folder."""
+    (model_copy / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match=rf"key 'model.hf_path' = '{model_copy}': no tokenizer in {model_copy}: "
+                                          r"tokenizer.json missing \(nor a slow tokenizer's tokenizer.model, "
+                                          r"vocab.json, vocab.txt\)"):
+        preflight(load_config(None, [f"model.hf_path={model_copy}"]))
+    (model_copy / "tokenizer_config.json").unlink()
+    with pytest.raises(ConfigError, match="tokenizer.json and tokenizer_config.json missing"):
+        preflight(load_config(None, [f"model.hf_path={model_copy}"]))
+
+
+def test_an_out_dir_that_is_a_file_is_refused(tmp_path):
+    file = tmp_path / "runs"
+    file.write_text("not a folder")
+    with pytest.raises(ConfigError, match=rf"key 'run.out_dir' = '{file}': {file} is a file, not a folder \(the run "
+                                          rf"directory would be {file}/run\)"):
+        preflight(load_config(None, [f"run.out_dir={file}"]))
+    with pytest.raises(ConfigError, match=rf"key 'run.out_dir' = '{file}/deeper': {file} is a file"):
+        preflight(load_config(None, [f"run.out_dir={file}/deeper"]))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "run").write_text("")
+    with pytest.raises(ConfigError, match=rf"key 'run.name' = 'run': {tmp_path}/out/run is a file"):
+        preflight(load_config(None, [f"run.out_dir={tmp_path}/out"]))
+    preflight(load_config(None, [f"run.out_dir={tmp_path}/new/runs"]))  # made when the run starts
+
+
+def test_a_tracking_server_that_does_not_answer_is_refused():
+    with pytest.raises(ConfigError, match=r"key 'tracking.uri' = 'http://127.0.0.1:1': no server answers there "
+                                          r"\(ConnectionRefusedError: .* tracking.flush_timeout_s = 5 s\)"):
+        preflight(load_config(None, ["tracking.uri=http://127.0.0.1:1"]))
+    preflight(load_config(None, ["tracking.uri=http://127.0.0.1:1", "tracking.enabled=false"]))
+    with socket.create_server(("127.0.0.1", 0)) as server:  # something listens: accepted
+        preflight(load_config(None, [f"tracking.uri=http://127.0.0.1:{server.getsockname()[1]}"]))
+
+
 def test_a_tokenizer_with_ids_past_the_vocabulary_is_refused(edited_model):
     with pytest.raises(ConfigError, match=r"key 'model.hf_path' = .*the tokenizer has 300 tokens but config.json "
                                           r"has vocab_size=200"):
@@ -194,10 +281,18 @@ def test_bf16_replicas_on_a_cpu_that_emulates_bf16_are_warned_about(monkeypatch,
 # --------------------------------------------------------------------------- the command line
 
 
-def cli(command: str, *words: str, cwd: Path) -> subprocess.CompletedProcess:
+def cli(command: str, *words: str, cwd: Path, config: str | Path = CPU_TINY) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "megatron_async", command, CPU_TINY, *words], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "megatron_async", command, str(config), *words], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
+
+
+def assert_refused_in_one_line(proc: subprocess.CompletedProcess, prefix: str, expect: str) -> None:
+    """Exit 2 and ONE line on stderr, starting with `prefix` and holding `expect`; nothing else."""
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and proc.stdout == "", proc.stdout + proc.stderr
+    assert lines[0].startswith(prefix) and expect in lines[0], lines[0]
 
 
 @pytest.mark.integration  # runs the CLI as a subprocess (it exits in seconds: preflight fails first)
@@ -213,12 +308,46 @@ def test_train_cli_says_one_clean_line_and_starts_nothing(case, tmp_path):
         words, expect = [f"data.train={data}"], f"{data} line 2: {what}"
     t0 = time.monotonic()
     proc = cli("train", *words, f"run.out_dir={out}", cwd=tmp_path)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and proc.stdout == "", proc.stdout + proc.stderr  # ONE line, nothing else
-    assert lines[0].startswith("megatron-async: config error: ") and expect in lines[0], lines[0]
+    assert_refused_in_one_line(proc, "megatron-async: config error: ", expect)
     assert not out.exists()  # no run directory: nothing (torchrun, learner, replicas, MLflow) started
     assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.integration  # as above
+@pytest.mark.parametrize("case", ["truncated", "nan", "no_tokenizer", "out_dir_file", "tracking", "key_twice"])
+def test_train_cli_refuses_bad_input_in_one_line(case, hf_model, tmp_path):
+    """Bad input that was a traceback after launch (truncated weights, no tokenizer files, an out_dir
+    that is a file, a tracking server that does not answer) or a silent run (NaN weights, a key
+    given twice): one line and exit 2, before torchrun."""
+    model, out, config = shutil.copytree(hf_model, tmp_path / "model"), tmp_path / "runs", Path(CPU_TINY)
+    weights, words = model / "model.safetensors", [f"model.hf_path={model}"]
+    if case == "truncated":
+        with open(weights, "r+b") as f:
+            f.truncate(weights.stat().st_size // 2)
+        expect = f"key 'model.hf_path' = '{model}': {weights}: truncated: tensor "
+    elif case == "nan":
+        tensors = load_file(str(weights))
+        tensors["model.norm.weight"][0] = float("inf")
+        save_file(tensors, str(weights))
+        expect = f"{weights}: tensor model.norm.weight: 1 of its 32 values are NaN or inf"
+    elif case == "no_tokenizer":
+        (model / "tokenizer.json").unlink()
+        expect = f"key 'model.hf_path' = '{model}': no tokenizer in {model}: tokenizer.json missing"
+    elif case == "out_dir_file":
+        out.write_text("")
+        expect = f"key 'run.out_dir' = '{out}': {out} is a file, not a folder"
+    elif case == "tracking":
+        words.append("tracking.uri=http://127.0.0.1:1")
+        expect = "key 'tracking.uri' = 'http://127.0.0.1:1': no server answers there (ConnectionRefusedError"
+    else:
+        text = config.read_text()
+        config = tmp_path / "twice.yaml"
+        config.write_text(text + "trainer:\n  steps: 2\n")
+        first, second = text.splitlines().index("trainer:") + 1, len(text.splitlines()) + 1
+        expect = f"{config}: key 'trainer' given twice (lines {first} and {second})"
+    proc = cli("train", *words, f"run.out_dir={out}", cwd=tmp_path, config=config)
+    assert_refused_in_one_line(proc, "megatron-async: config error: ", expect)
+    assert not out.is_dir()  # no run directory: nothing started
 
 
 @pytest.mark.integration  # as above: `megatron-async eval` checks before it starts a replica
@@ -232,7 +361,4 @@ def test_eval_cli_says_one_clean_line_and_starts_nothing(case, hf_model, tmp_pat
              "no_template": (["data.chat_template=true"], "key 'data.chat_template' = True: the tokenizer of")}
     overrides, expect = words[case]
     proc = cli("eval", "--checkpoint", str(hf_model), "--data", str(data), *overrides, cwd=tmp_path)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and proc.stdout == "", proc.stdout + proc.stderr
-    assert lines[0].startswith("megatron-async eval: ") and expect in lines[0], lines[0]
+    assert_refused_in_one_line(proc, "megatron-async eval: ", expect)

@@ -1,5 +1,6 @@
-"""Checks that touch the world, run once before anything starts: files, model architectures, data,
-the checkpoint to resume from, CPU lists and the GPU placement.
+"""Checks that touch the world, run once before anything starts: files, model architectures and
+weights, tokenizers, data, the run directory, the tracking server, the checkpoint to resume from,
+CPU lists and the GPU placement.
 
 `config.validate` checks the config on its own (types, ranges, cross-field rules) when it is
 loaded; `preflight` checks it against this machine and the files it names. Both raise `ConfigError`
@@ -14,10 +15,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import socket
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
+from safetensors import safe_open
 
 from megatron_async.algorithms import ALGORITHMS
 from megatron_async.cluster import placement
@@ -25,6 +30,7 @@ from megatron_async.cluster.cpu_affinity import (NATIVE_BF16_FLAGS, available_cp
                                                   parse_cpu_list)
 from megatron_async.config import Config, ConfigError
 from megatron_async.data import DataError, Problem, format_prompt, load_file, tokenize_prompts
+from megatron_async.learner.mapping import validate_hf_checkpoint
 from megatron_async.learner.model import LlamaArch, read_arch
 from megatron_async.models.base_model import load_tokenizer
 from megatron_async.run.checkpoint import checkpoint_root, latest_checkpoint
@@ -59,6 +65,8 @@ def _preflight(cfg: Config, world_size: int | None) -> None:
     if split_problems:
         axis, why = split_problems[0]
         raise ConfigError(f"key 'parallel.{axis}' = {getattr(par, axis)}: {why} in {cfg.model.hf_path}/config.json")
+    _check_run_dir(cfg)
+    _check_tracking_server(cfg)
     _check_cpu_lists(cfg)
     _warn_on_emulated_bf16(cfg)
     world = world_size if world_size is not None else par.world_size
@@ -101,8 +109,9 @@ def _read_config_json(model_dir: str, key: str) -> dict:
 
 def _check_model(cfg: Config) -> LlamaArch | None:
     """The policy checkpoint as the learner will read it (`learner.model.read_arch`: a supported
-    LLaMA-family architecture) with room for prompt + completion in its positions and a tokenizer
-    whose every id has an embedding (`models.base_model.load_tokenizer`) -> its architecture."""
+    LLaMA-family architecture) with room for prompt + completion in its positions, whole and finite
+    weights of the shapes its config.json implies, and a tokenizer whose every id has an embedding
+    (`models.base_model.load_tokenizer`) -> its architecture."""
     if cfg.model.hf_path == "tiny":
         return None  # built from model.tiny_*, checked by config.validate
     par, config_json = cfg.parallel, Path(cfg.model.hf_path) / "config.json"
@@ -125,11 +134,90 @@ def _check_model(cfg: Config) -> LlamaArch | None:
     _require(budget <= positions, "data.max_prompt_tokens", cfg.data.max_prompt_tokens,
              f"+ rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) = {budget} tokens, over the model's "
              f"max_position_embeddings ({positions}) in {config_json}")
-    _require(any(Path(cfg.model.hf_path).glob("*.safetensors")), "model.hf_path", cfg.model.hf_path,
-             "has no *.safetensors weights (weights are read from safetensors only: a pytorch_model.bin is a "
-             "pickle and is never loaded; save the model with save_pretrained(safe_serialization=True))")
+    files = _check_safetensors(cfg.model.hf_path, "model.hf_path", arch)
+    _check_finite_weights(cfg.model.hf_path, "model.hf_path", files)
     _tokenizer(cfg)  # loads and checks it against vocab_size
     return arch
+
+
+# bits per element of each safetensors dtype (the format's list)
+_SAFETENSORS_DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16,
+                           "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64,
+                           "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+
+
+def _check_safetensors(model_dir: str, key: str, arch: LlamaArch | None, score_head: bool = False) -> list[Path]:
+    """The checkpoint's safetensors files, each one whole (`_safetensors_problem`) -> the files.
+    Given its `arch` (a checkpoint the learner loads) there must be some (never a pickle), holding
+    exactly the tensors and shapes its config.json implies (`learner.mapping.validate_hf_checkpoint`,
+    the learner's own check; `score_head`: a reward model's); without (a reward model that only
+    scores, any architecture), the files that are there are checked."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    _require(bool(files) or arch is None, key, model_dir,
+             "has no *.safetensors weights (weights are read from safetensors only: a pytorch_model.bin is a "
+             "pickle and is never loaded; save the model with save_pretrained(safe_serialization=True))")
+    for path in files:
+        if problem := _safetensors_problem(path):
+            raise ConfigError(f"key '{key}' = {model_dir!r}: {path}: {problem}")
+    if arch is not None:
+        try:
+            validate_hf_checkpoint(model_dir, arch, score_head)
+        except (ValueError, OSError) as e:
+            what, *problems = str(e).split("\n  ")  # one line: the problems one after the other
+            raise ConfigError(f"key '{key}' = {model_dir!r}: {what} {'; '.join(problems)}".rstrip()) from None
+    return files
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """What makes a safetensors file unreadable (None: nothing), from its header alone: the 8-byte
+    header length and the JSON header are read, no tensor data. Every tensor's bytes must be what
+    its dtype and shape need, back to back, and end where the file does, as the safetensors loader
+    requires; a file cut short (an interrupted copy) names the first tensor it cuts."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        if size < 8 or 8 + length > size:
+            return f"truncated: {size} bytes, too short for an 8-byte length and its {length}-byte header"
+        header = f.read(length)
+    data, end = size - 8 - length, 0  # bytes after the header; where the previous tensor ended
+    try:
+        tensors = sorted(((name, t["dtype"], t["shape"], t["data_offsets"]) for name, t in json.loads(header).items()
+                          if name != "__metadata__"), key=lambda t: t[3])
+        for name, dtype, shape, (begin, stop) in tensors:
+            if dtype not in _SAFETENSORS_DTYPE_BITS:
+                return f"tensor {name} has an unknown dtype {dtype!r}"
+            need = -(-math.prod(shape) * _SAFETENSORS_DTYPE_BITS[dtype] // 8)
+            if begin != end or stop - begin != need:
+                return (f"tensor {name} ({dtype} {shape}, {need} bytes) has data_offsets [{begin}, {stop}], "
+                        f"expected [{end}, {end + need}]: a corrupt header")
+            if stop > data:
+                return (f"truncated: tensor {name} ({dtype} {shape}) ends at byte {8 + length + stop}, the file "
+                        f"has {size} bytes")
+            end = stop
+    except (ValueError, TypeError, KeyError, AttributeError) as e:  # not the format's JSON
+        return f"unreadable safetensors header ({type(e).__name__}: {e})"
+    if end != data:
+        return f"{data - end} bytes after the last tensor's data: a corrupt file"
+    return None
+
+
+def _check_finite_weights(model_dir: str, key: str, files: list[Path]) -> None:
+    """No NaN or inf in any tensor of `files`, the checkpoint's: a policy with one generates garbage,
+    every reward ties and nothing is trained, and the run would end with exit 0. Each tensor is read
+    and checked on its own (`safe_open`, memory-mapped: the peak is one tensor and its isfinite
+    mask, not the model). Cost: the weights are read once more than by the learner's and replicas'
+    own loads, which then find them in the page cache. Measured 2026-12-02 for SmolLM2-135M (538 MB
+    fp32, `megatron-async export-smollm2`) on one core of the 2-core CPU machine: 1.7 s the first
+    time after the export, 0.55 s when repeated (the header and shape checks: under 0.1 s); the tiny
+    test models: milliseconds."""
+    for path in files:
+        with safe_open(str(path), framework="pt") as fh:
+            for name in fh.keys():
+                finite = torch.isfinite(fh.get_tensor(name))
+                if not finite.all():
+                    raise ConfigError(f"key '{key}' = {model_dir!r}: {path}: tensor {name}: {int((~finite).sum())} "
+                                      f"of its {finite.numel()} values are NaN or inf (a policy with them generates "
+                                      "garbage and trains on nothing)")
 
 
 def _check_chat_template(cfg: Config) -> None:
@@ -143,19 +231,23 @@ def _check_chat_template(cfg: Config) -> None:
 
 
 def _check_reward_model(cfg: Config) -> None:
-    """The RM checkpoint exists; for PPO, whose value model starts from it, it splits like the policy
-    (that it reads the policy's token ids is checked against the model RL starts from, once built:
+    """The RM checkpoint exists and its safetensors files are whole; for PPO, whose value model
+    starts from it, it splits like the policy and holds the tensors the value model loads (that it
+    reads the policy's token ids is checked against the model RL starts from, once built:
     `run.learner_state.check_value_model_source`)."""
     r, par = cfg.reward, cfg.parallel
     _read_config_json(r.model_path, "reward.model_path")
     if not ALGORITHMS[cfg.trainer.algorithm].value_model:
+        _check_safetensors(r.model_path, "reward.model_path", None)  # any classifier: its own architecture
         return
     try:
-        read_arch(r.model_path).check_parallel(par.tp, par.pp)
+        arch = read_arch(r.model_path)
+        arch.check_parallel(par.tp, par.pp)
     except (ValueError, KeyError, OSError) as e:
         raise ConfigError(f"key 'reward.model_path' = {r.model_path!r}: trainer.algorithm={cfg.trainer.algorithm} "
                           f"starts its value model from the reward model, which must be a LLaMA-family model that "
                           f"splits at parallel.tp={par.tp} x parallel.pp={par.pp}: {type(e).__name__}: {e}") from None
+    _check_safetensors(r.model_path, "reward.model_path", arch, score_head=True)
 
 
 def _check_data_source(cfg: Config, key: str) -> list | None:
@@ -208,11 +300,60 @@ def _tokenizer(cfg: Config):
     """The policy checkpoint's tokenizer, checked against its vocabulary (loaded once per preflight)."""
     path = cfg.model.hf_path
     if path not in _TOKENIZERS:
+        _check_tokenizer_files(path, "model.hf_path")
         try:
             _TOKENIZERS[path] = load_tokenizer(Path(path))
         except (OSError, ValueError) as e:
             raise ConfigError(f"key 'model.hf_path' = {path!r}: cannot use its tokenizer: {e}") from None
     return _TOKENIZERS[path]
+
+
+# a fast tokenizer's file, then slow ones' vocabularies: sentencepiece, BPE, WordPiece
+TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def _check_tokenizer_files(model_dir: str, key: str) -> None:
+    """The checkpoint folder holds a tokenizer: tokenizer.json or a slow tokenizer's vocabulary.
+    Without one transformers fails with "You need to have sentencepiece or tiktoken installed to
+    convert a slow tokenizer", which points at the wrong fix."""
+    folder = Path(model_dir)
+    if any((folder / name).is_file() for name in TOKENIZER_VOCAB_FILES):
+        return
+    missing = ["tokenizer.json"] + ["tokenizer_config.json"] * (not (folder / "tokenizer_config.json").is_file())
+    raise ConfigError(f"key '{key}' = {model_dir!r}: no tokenizer in {folder}: {' and '.join(missing)} missing (nor "
+                      f"a slow tokenizer's {', '.join(TOKENIZER_VOCAB_FILES[1:])}); save the model's tokenizer "
+                      "there (tokenizer.save_pretrained)")
+
+
+def _check_run_dir(cfg: Config) -> None:
+    """The run directory can be made: it, or else the nearest of its parents that exists, is a folder
+    (a file there would be a NotADirectoryError on learner rank 0)."""
+    run_dir = cfg.run_dir
+    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+    if not existing.is_dir():
+        key, value = ("run.name", cfg.run.name) if existing == run_dir else ("run.out_dir", cfg.run.out_dir)
+        raise ConfigError(f"key '{key}' = {value!r}: {existing} is a file, not a folder (the run directory would "
+                          f"be {run_dir})")
+
+
+def _check_tracking_server(cfg: Config) -> None:
+    """An http(s) tracking.uri answers: something accepts a TCP connection there within
+    tracking.flush_timeout_s. Learner rank 0 creates the MLflow run (experiment, run id) when it
+    starts, so a server missing then would be a traceback after launch; one that goes away later
+    is buffered and retried (observability/tracking.py). Only the connection is tried: what answers
+    (a proxy, a login) is the MLflow client's business."""
+    t = cfg.tracking
+    url = urlparse(t.uri)
+    if not t.enabled or url.scheme not in ("http", "https"):
+        return  # the embedded store (""), sqlite:/file: stores, databricks, ...
+    _require(bool(url.hostname), "tracking.uri", t.uri, "has no host")
+    try:  # url.port: ValueError for a port that is not a number in 0-65535
+        socket.create_connection((url.hostname, url.port or {"http": 80, "https": 443}[url.scheme]),
+                                 timeout=t.flush_timeout_s).close()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"key 'tracking.uri' = {t.uri!r}: no server answers there ({type(e).__name__}: {e}; "
+                          f"tried for up to tracking.flush_timeout_s = {t.flush_timeout_s:g} s); start it, fix the URI, "
+                          "or set tracking.uri='' (a store in the run directory) or tracking.enabled=false") from None
 
 
 def _check_cpu_lists(cfg: Config) -> None:
