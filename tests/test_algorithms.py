@@ -219,3 +219,45 @@ def test_config_allows_exactly_the_registered_algorithms():
     assert set(typing.get_args(hint)) == set(ALGORITHMS)
     with pytest.raises(ConfigError, match="trainer.algorithm"):
         load_config(None, ["trainer.algorithm=reinforce"])
+
+
+class CountingModels(FixedModels):
+    """FixedModels that count the policy's forward passes (the staleness monitor's / pi_old's)."""
+
+    def __init__(self, policy):
+        super().__init__(policy=policy)
+        self.policy_calls = 0
+
+    def policy_logprobs(self, mbs):
+        self.policy_calls += 1
+        return super().policy_logprobs(mbs)
+
+
+@pytest.mark.parametrize("name,minibatches,updates,fused", [
+    ("online_dpo", 1, 1, True),  # only the monitor wants pi_old and the batch is one optimizer step
+    ("online_dpo", 2, 1, False),  # the second minibatch trains on updated weights: a forward of its own
+    ("online_dpo", 1, 2, False),  # so does the second pass
+    ("rloo", 1, 1, False),  # tis (the async default correction) weighs the loss by pi_old
+    ("grpo", 1, 1, False),  # the loss anchors to pi_old
+])
+def test_the_staleness_monitor_reads_the_training_forward_only_for_one_optimizer_step(name, minibatches, updates,
+                                                                                        fused):
+    a = ALGORITHMS[name](TrainerConfig(algorithm=name), 2, "tis")
+    samples = [sample(p, float(i), n_completion=2 + i, lp=-0.5 - p) for p in range(4) for i in range(2)]
+    rows, _ = a.select(samples)
+    parts = algorithms.split_units(rows, a.unit, minibatches)
+    mbs = lambda: [a.microbatches(part, pad_id=0, micro_batch_size=4) for part in parts]  # noqa: E731
+    old = [torch.full(mb["input_ids"].shape, -1.0) * mb["loss_mask"] for mb in mbs()[0]]
+    assert a.monitor_from_training(mbs(), updates) == fused
+    separate = CountingModels(old)
+    stats_separate = a.prepare(mbs(), separate)
+    assert separate.policy_calls == minibatches
+    if fused:  # no forward of its own; the learner gives it the training forward's logprobs afterwards
+        deferred, models = mbs(), CountingModels(old)
+        assert a.prepare(deferred, models, old_from_training=True) == {} and models.policy_calls == 0
+        for mb, lp in zip(deferred[0], old):
+            mb["old_logprobs"] = lp
+        stats_deferred = a.staleness(deferred)
+        assert stats_deferred.keys() == stats_separate.keys() and stats_deferred
+        for key, value in stats_separate.items():
+            assert stats_deferred[key].item() == pytest.approx(value.item()), key

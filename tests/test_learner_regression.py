@@ -4,7 +4,8 @@ The values below were recorded at commit c8038ad (before the learner-throughput 
 docs/performance.md: the staleness monitor taken from the training forward, SDPA attention) by
 `tests/dist/learner_steps_worker.py`: three steps of the main job's tiny model on fixed synthetic
 batches, one rank, one thread. A change to the learner's hot path must keep them to float
-tolerance (summation order may differ: rel 1e-4).
+tolerance (summation order may differ: rel 1e-4; the KL to the reference, a mean of small
+differences of logprobs, to 5e-6 absolute: the attention kernel's rounding moves it by ~6e-7).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from tests.dist import run_worker
 
+ABS_TOL = {"kl/ref": 5e-6}
 RECORDED = {
     "online_dpo": [
         {"train/loss": 7.444176197052002, "train/grad_norm": 4.626443792209691, "kl/ref": 0.0,
@@ -48,4 +50,4 @@ def test_learner_steps_match_the_recorded_values(algorithm, tmp_path):
     for step, (got, want) in enumerate(zip(steps, RECORDED[algorithm])):
         assert set(got) == set(want), f"step {step}: metrics {sorted(got)} vs recorded {sorted(want)}"
         for key, value in want.items():
-            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-7), f"step {step} {key}"
+            assert got[key] == pytest.approx(value, rel=1e-4, abs=ABS_TOL.get(key, 1e-8)), f"step {step} {key}"

@@ -115,31 +115,53 @@ class Algorithm:
                         for k, v in mb.items()})
         return out
 
-    def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels) -> dict[str, torch.Tensor]:
+    def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels,
+                old_from_training: bool = False) -> dict[str, torch.Tensor]:
         """Add what the loss needs to every microbatch; return batch statistics (0-dim tensors).
 
         Every algorithm needs the frozen reference's logprobs (the KL to it is logged, and is
         part of most losses). The learner's logprobs before the update (`old_logprobs`, the
-        proximal policy) are added where the loss anchors to them, where a correction weighs the
-        samples, or for the staleness monitor (`trainer.staleness_monitor`, one forward pass);
-        then the behaviour weights (`is_weights` per token, `is_sequence_weights` per row)."""
-        behaviour = []  # (old, gen, mask) of the real rows, for the staleness statistics
+        proximal policy) are added where the loss anchors to them or where a correction weighs the
+        samples (then also the behaviour weights: `is_weights` per token, `is_sequence_weights` per
+        row), and for the staleness monitor (`trainer.staleness_monitor`). A forward pass of their
+        own, except where only the monitor wants them and `old_from_training` says that the batch's
+        one optimizer step will read them off its training forward (`monitor_from_training`):
+        the learner then calls `staleness` after that step."""
         for mbs in minibatches:
             for mb, ref in zip(mbs, models.reference_logprobs(mbs)):
                 mb["ref_logprobs"] = ref
-            generated = all("gen_logprobs" in mb for mb in mbs)
-            if self.needs_old_logprobs or (generated and (self.correction != "none" or self.cfg.staleness_monitor)):
+            if self.loss_needs_old_logprobs(mbs) or (self.monitors(mbs) and not old_from_training):
                 for mb, old in zip(mbs, models.policy_logprobs(mbs)):
                     mb["old_logprobs"] = old
-            if not generated or "old_logprobs" not in mbs[0]:
-                continue
-            for mb in mbs:
-                n, args = mb["real_rows"], (mb["old_logprobs"], mb["gen_logprobs"], mb["loss_mask"])
-                behaviour.append(tuple(x[:n].flatten() for x in args))
-                if self.correction != "none":
-                    caps = (self.cfg.is_cap, self.cfg.icepop_low, self.cfg.icepop_high)
+            if self.correction != "none" and "old_logprobs" in mbs[0] and self.monitors(mbs):
+                caps = (self.cfg.is_cap, self.cfg.icepop_low, self.cfg.icepop_high)
+                for mb in mbs:
+                    args = (mb["old_logprobs"], mb["gen_logprobs"], mb["loss_mask"])
                     mb["is_weights"] = behaviour_weights(*args, self.correction, *caps)
                     mb["is_sequence_weights"] = sequence_weights(*args, self.correction, *caps)
+        return self.staleness(minibatches)
+
+    def loss_needs_old_logprobs(self, mbs: list[Microbatch]) -> bool:
+        """The loss reads `old_logprobs`: it anchors to them, or a correction weighs by them."""
+        return self.needs_old_logprobs or (self.correction != "none" and self.monitors(mbs))
+
+    def monitors(self, mbs: list[Microbatch]) -> bool:
+        """The samples carry the generator's logprobs, so staleness against it can be measured."""
+        return all("gen_logprobs" in mb for mb in mbs)
+
+    def monitor_from_training(self, minibatches: list[list[Microbatch]], updates: int) -> bool:
+        """Only the staleness monitor wants the learner's logprobs before the update, and the batch
+        is ONE optimizer step (one minibatch, one pass): its training forward runs on exactly the
+        weights before the update, so the monitor reads them off it instead of a forward of its own
+        (the same numbers; one forward pass of ~4-5 per step saved)."""
+        return (len(minibatches) == 1 and updates == 1 and self.cfg.staleness_monitor
+                and self.monitors(minibatches[0]) and not self.loss_needs_old_logprobs(minibatches[0]))
+
+    def staleness(self, minibatches: list[list[Microbatch]]) -> dict[str, torch.Tensor]:
+        """Staleness statistics (`algorithms.off_policy.staleness_stats`) over the real rows of the
+        microbatches that have both the learner's (`old_logprobs`) and the generator's logprobs."""
+        behaviour = [tuple(x[:mb["real_rows"]].flatten() for x in (mb["old_logprobs"], mb["gen_logprobs"], mb["loss_mask"]))
+                     for mbs in minibatches for mb in mbs if "old_logprobs" in mb and "gen_logprobs" in mb]
         if not behaviour:
             return {}
         return staleness_stats(*(torch.cat(parts) for parts in zip(*behaviour)))

@@ -53,8 +53,9 @@ class GRPO(Algorithm):
         stats["grpo/tied_groups"] = float(len(groups) - len(kept))
         return [s for g in kept for s in g], stats
 
-    def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels) -> dict[str, torch.Tensor]:
-        stats = super().prepare(minibatches, models)
+    def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels,
+                old_from_training: bool = False) -> dict[str, torch.Tensor]:
+        stats = super().prepare(minibatches, models, old_from_training)
         for mbs in minibatches:  # groups never straddle two minibatches
             adv = group_advantages(real_rows_of(mbs, "rewards"), self.k, self.cfg.grpo_std_normalization)
             scatter_rows(mbs, "advantages", adv)

@@ -55,10 +55,11 @@ class PPO(Algorithm):
     def select(self, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
         return group_samples(samples, self.k)
 
-    def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels) -> dict[str, torch.Tensor]:
+    def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels,
+                old_from_training: bool = False) -> dict[str, torch.Tensor]:
         """pi_old (`Algorithm.prepare`) and V_old, both models before this batch's first update,
         then advantages and returns over ALL the given microbatches (`add_advantages`)."""
-        stats = super().prepare(minibatches, models)
+        stats = super().prepare(minibatches, models, old_from_training)
         for mbs in minibatches:
             for mb, value in zip(mbs, models.values(mbs)):
                 mb["old_values"] = value

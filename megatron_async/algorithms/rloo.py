@@ -22,9 +22,10 @@ class RLOO(Algorithm):
     def select(self, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
         return group_samples(samples, self.k)
 
-    def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels) -> dict[str, torch.Tensor]:
+    def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels,
+                old_from_training: bool = False) -> dict[str, torch.Tensor]:
         """Advantages per minibatch (groups never straddle two); statistics averaged over minibatches."""
-        stats = super().prepare(minibatches, models)
+        stats = super().prepare(minibatches, models, old_from_training)
         kls, regularised = [], []
         for mbs in minibatches:
             scores = real_rows_of(mbs, "rewards")

@@ -12,7 +12,8 @@ Per case (model x algorithm x batch size) one process builds, from the same HF c
   it), a frozen copy as the reference, `torch.optim.AdamW` with the same betas, eps, weight decay
   and lr, the global-norm clip, and THE SAME microbatches and loss: the algorithm's own `prepare`
   and `loss` are called with the plain models' logprobs (`PlainModels`), so the two differ only in
-  the model, the schedule around it and the optimizer.
+  the model, the schedule around it and the optimizer. The plain step runs only the forward passes
+  its loss needs (no staleness monitor); ours runs the main job's settings, monitor included.
 The batch is synthetic (random prompt and completion tokens of the config's lengths, distinct
 rewards within a prompt so DPO pairs and groups are never tied, generator logprobs so the
 staleness monitor runs as in a training run). The two steps alternate (ours, plain, ours, ...) so
@@ -40,7 +41,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatron_async.algorithms import split_units
+from megatron_async.algorithms import build_algorithm, split_units
 from megatron_async.algorithms.batching import Sample
 from megatron_async.cluster.cpu_affinity import cpu_flags, pin_learner
 from megatron_async.config import Config, load_config
@@ -105,9 +106,11 @@ class PlainModels:
 class PlainLearner:
     """The plain PyTorch step: the same selection, microbatches, preparation and loss as ours."""
 
-    def __init__(self, cfg: Config, model_dir: Path, algorithm, pad_id: int):
+    def __init__(self, cfg: Config, model_dir: Path, pad_id: int):
         t = cfg.trainer
-        self.cfg, self.algorithm, self.pad_id = cfg, algorithm, pad_id
+        plain_cfg = copy.deepcopy(cfg)
+        plain_cfg.trainer.staleness_monitor = False  # a plain step runs only the passes its loss needs
+        self.cfg, self.algorithm, self.pad_id = cfg, build_algorithm(plain_cfg), pad_id
         policy = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).train()
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
         self.models = PlainModels(policy, reference)
@@ -116,6 +119,7 @@ class PlainLearner:
 
     def step(self, batch: RolloutBatch) -> float:
         t, algo = self.cfg.trainer, self.algorithm
+        algo.k = batch.k
         samples = [Sample.from_completion(c, r) for comps, rs in zip(batch.completions, batch.rewards)
                    for c, r in zip(comps, rs)]
         rows, _ = algo.select(samples)
@@ -170,7 +174,7 @@ def run_case(model: str, model_dir: Path, overrides: list[str], steps: int, prof
     layout = _LAYOUT["layout"]
     ours = LearnerState.build(cfg, model_dir, layout, tokenizer.pad_token_id)
     torch.manual_seed(seed)
-    plain = PlainLearner(cfg, model_dir, ours.algorithm, tokenizer.pad_token_id)
+    plain = PlainLearner(cfg, model_dir, tokenizer.pad_token_id)
     vocab = len(tokenizer)
     batches = [synthetic_batch(vocab, cfg.rollout.prompts_per_step, cfg.rollout.k, PROMPT_TOKENS[model],
                                cfg.rollout.max_new_tokens, seed + i) for i in range(steps + 1)]

@@ -206,8 +206,6 @@ def compute_values(model, microbatches: list[dict]) -> list[torch.Tensor]:
 
 
 def _per_token_no_grad(model, microbatches: list[dict], temperature: float, values: bool) -> list[torch.Tensor]:
-    from megatron.core import parallel_state as ps
-
     chunks = model if isinstance(model, list) else [model]
     if is_value_model(chunks[0]) != values:
         raise TypeError(f"compute_{'values' if values else 'logprobs'} got a {'language' if values else 'value'} model")
@@ -218,8 +216,26 @@ def _per_token_no_grad(model, microbatches: list[dict], temperature: float, valu
         return per_token.new_zeros(()), {}
 
     forward_backward(model, microbatches, record, forward_only=True, temperature=temperature)
+    return share_with_pipeline(collected, microbatches, next(chunks[0].parameters()).device)
+
+
+def recording(loss_fn: LossFn, store: list) -> LossFn:
+    """`loss_fn` that also appends each microbatch's per-token output (detached, as `loss_fn` gets
+    it: masked by loss_mask) to `store`, in microbatch order, on the last pipeline stage; with
+    `share_with_pipeline` afterwards, a training pass yields the logprobs `compute_logprobs` would
+    have given on the weights it started from."""
+    def loss_and_record(per_token, mb):
+        store.append(per_token.detach())
+        return loss_fn(per_token, mb)
+    return loss_and_record
+
+
+def share_with_pipeline(collected: list[torch.Tensor], microbatches: list[dict], device) -> list[torch.Tensor]:
+    """Per-token tensors ([b, s] float32 per microbatch) collected on the last pipeline stage,
+    broadcast to every stage (a no-op without pipeline parallelism)."""
+    from megatron.core import parallel_state as ps
+
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        device = next(chunks[0].parameters()).device
         if not ps.is_pipeline_last_stage():
             collected = [torch.empty(mb["input_ids"].shape, dtype=torch.float32, device=device) for mb in microbatches]
         for t in collected:

@@ -232,6 +232,7 @@ def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dt
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    from megatron_async.learner.attention import SDPAttention
     from megatron_async.learner.perf import Backend, ResolvedPerf, resolve
 
     if isinstance(hf_config, LlamaArch):
@@ -246,8 +247,11 @@ def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dt
                        tied_embeddings=arch.tie_word_embeddings)
     config = transformer_config(arch, tp, pp, dtype, perf=perf)
     vocab = padded_vocab_size(arch.vocab_size, tp, make_vocab_size_divisible_by)
-    spec = (get_gpt_layer_with_transformer_engine_spec() if perf.backend.te
-            else get_gpt_layer_local_spec(normalization="RMSNorm"))
+    if perf.backend.te:
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    else:  # megatron's local spec with torch's fused SDPA as its core attention (learner/attention.py)
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
 
     rope = dict(arch.rope_scaling)
     model = GPTModel(

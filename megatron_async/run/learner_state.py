@@ -21,7 +21,7 @@ import torch
 from megatron_async.algorithms import Algorithm, build_algorithm, dp_shard, split_units
 from megatron_async.algorithms.batching import Sample
 from megatron_async.config import Config, ConfigError
-from megatron_async.learner.logprobs import compute_logprobs, compute_values
+from megatron_async.learner.logprobs import compute_logprobs, compute_values, recording, share_with_pipeline
 from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
 from megatron_async.learner.model import build_model, read_arch
 from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
@@ -128,8 +128,13 @@ class LearnerState:
                         # prompt + completion tokens, counted once per pass (not the microbatches' padding)
                         "train/tokens": float(updates * sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows))})
         minibatches = [algo.microbatches(part, self.pad_id, t.micro_batch_size, self.layout.device) for part in parts]
-        metrics.update({key: float(v) for key, v in algo.prepare(minibatches, self).items()})
+        # One optimizer step: the staleness monitor reads the learner's logprobs off its training forward
+        old_from_training = algo.monitor_from_training(minibatches, updates)
+        metrics.update({key: float(v) for key, v in algo.prepare(minibatches, self, old_from_training).items()})
         loss_fn = faults.poison_loss_at(step, algo.loss)
+        trained_logprobs: list[torch.Tensor] = []
+        if old_from_training:
+            loss_fn = recording(loss_fn, trained_logprobs)
         policy_metrics, value_metrics = [], []
         last = updates * len(minibatches) - 1
         for i, mbs in enumerate(mbs for _ in range(updates) for mbs in minibatches):  # T passes x N optimizer steps
@@ -138,6 +143,11 @@ class LearnerState:
             policy_metrics.append(self.policy.train_step(mbs, loss_fn, sync_params=i == last))
             if self.value is not None:
                 value_metrics.append(self.value.train_step(mbs, algo.value_loss, sync_params=i == last))
+        if old_from_training:
+            (mbs,) = minibatches
+            for mb, old in zip(mbs, share_with_pipeline(trained_logprobs, mbs, self.layout.device)):
+                mb["old_logprobs"] = old
+            metrics.update({key: float(v) for key, v in algo.staleness(minibatches).items()})
         return {**metrics, **mean_metrics(policy_metrics, "train/"), **mean_metrics(value_metrics, "train_value/")}
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
