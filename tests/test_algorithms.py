@@ -57,6 +57,18 @@ def test_microbatches_have_one_shape_and_padding_weighs_nothing():
     assert [mb["loss_scale"].item() for mb in mbs] == pytest.approx([2 * 3 / 5, 2 * 3 / 5, 1 * 3 / 5])
 
 
+def test_microbatch_size_is_evened_out_so_that_padding_is_less_than_a_unit_per_microbatch():
+    rows = [sample(i, float(i % 2)) for i in range(9)]
+    mbs = algo("rloo", k=9, beta=0.0).microbatches(rows, pad_id=0, micro_batch_size=4)
+    assert [mb["input_ids"].shape[0] for mb in mbs] == [3, 3, 3]  # not 3 x 4 with 3 padding rows
+    assert sum(mb["row_weight"].sum().item() for mb in mbs) == 9
+    pairs = [s for p in range(5) for s in (sample(p, 1.0), sample(p, 0.0))]
+    dpo = algo("online_dpo")
+    mbs = dpo.microbatches(dpo.select(pairs)[0], pad_id=0, micro_batch_size=8)  # 10 rows: 2 x 6, one padding pair
+    assert [mb["input_ids"].shape[0] for mb in mbs] == [6, 6] and mbs[1]["row_weight"].tolist() == [1] * 4 + [0] * 2
+    assert sum(mb["loss_scale"].item() for mb in mbs) / len(mbs) == pytest.approx(1.0)
+
+
 def test_pairs_never_straddle_microbatches():
     samples = [s for p in range(3) for s in (sample(p, 1.0), sample(p, 0.0))]
     rows, _ = algo("online_dpo").select(samples)
@@ -91,7 +103,14 @@ def test_rloo_advantages_use_kl_regularised_rewards():
     # KL = 3 tokens x 0.1
     rloo.prepare([mbs], FixedModels(reference=[mbs[0]["gen_logprobs"] - 0.1 * mbs[0]["loss_mask"]]))
     r = [1.0 - 0.5 * 0.3, 0.0 - 0.5 * 0.3]
-    assert mbs[0]["advantages"].tolist() == pytest.approx([r[0] - r[1], r[1] - r[0], 0.0, 0.0])
+    assert mbs[0]["advantages"].tolist() == pytest.approx([r[0] - r[1], r[1] - r[0]])  # one group: no padding
+
+
+def with_padding_row(mb):
+    """`mb` with one padding row appended as `Algorithm.microbatches` pads a short last microbatch:
+    a copy of row 0 with row_weight 0, after the `real_rows` real ones."""
+    return {k: torch.cat([v, v[:1] * (0 if k == "row_weight" else 1)]) if isinstance(v, torch.Tensor) and v.dim()
+            else v for k, v in mb.items()}
 
 
 def ppo_microbatch():
@@ -102,7 +121,8 @@ def ppo_microbatch():
     """
     ppo = algo("ppo", beta=0.2)
     rows, _ = ppo.select([sample(0, 1.0, n_completion=2, lp=-1.0), sample(0, 0.0, n_completion=1, lp=-0.5)])
-    (mb,) = ppo.microbatches(rows, pad_id=0, micro_batch_size=3)
+    (mb,) = ppo.microbatches(rows, pad_id=0, micro_batch_size=3)  # 2 rows: `microbatches` pads none
+    mb = with_padding_row(mb)
     mb["ref_logprobs"] = torch.tensor([[0, 0, -1.5, -1.0], [0, 0, -0.5, 0], [0, 0, -1.5, -1.0]])
     mb["old_values"] = torch.tensor([[9, 9, 0.5, 0.8], [9, 9, 0.2, 9], [9, 9, 0.5, 0.8]])
     return mb
