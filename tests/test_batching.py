@@ -9,7 +9,6 @@ from megatron_async.algorithms.batching import (
     Sample,
     build_dpo_pairs,
     collate,
-    collate_dpo,
     group_samples,
     select_best_of_k,
 )
@@ -107,14 +106,16 @@ def test_collate_errors_name_the_sample():
     assert collate([Sample(0, [1], [3], None, 1.0, 0)], pad_id=0).gen_logprobs is None
 
 
-def test_collate_dpo_rows():
-    pairs, _ = build_dpo_pairs([make(0, 0.0, (5,)), make(0, 1.0, (6, 7, 8)), make(1, 1.0, (9,)), make(1, 0.0, (4,))])
-    batch = collate_dpo(pairs, pad_id=0)
-    # rows [:P] chosen, [P:] rejected
-    assert batch.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]
-    assert batch.input_ids[:, 3].tolist() == [6, 9, 5, 4]
+def test_dpo_pairs_collate_to_adjacent_rows():
+    # OnlineDPO.select lays pairs out [c0, r0, c1, r1, ...] (a microbatch never splits a pair),
+    # and its loss reads chosen from rows 0::2, rejected from rows 1::2
+    from megatron_async.algorithms.online_dpo import OnlineDPO
+
+    rows, _ = OnlineDPO(cfg=None, k=2).select([make(0, 0.0, (5,)), make(0, 1.0, (6, 7, 8)), make(1, 1.0, (9,)), make(1, 0.0, (4,))])
+    batch = collate(rows, pad_id=0)
+    assert batch.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert batch.input_ids[:, 3].tolist() == [6, 5, 9, 4]
     logps = sequence_logprobs(batch.gen_logprobs, batch.completion_mask)
-    assert logps.tolist() == pytest.approx([-0.1 - 0.2 - 0.3, -1.1, -0.1, -1.1])
-    with pytest.raises(ValueError, match="no pairs"):
-        collate_dpo([], pad_id=0)
+    assert logps[0::2].tolist() == pytest.approx([-0.1 - 0.2 - 0.3, -1.1])
+    assert logps[1::2].tolist() == pytest.approx([-0.1, -1.1])
     assert batch.to(torch.device("cpu")).input_ids.equal(batch.input_ids)

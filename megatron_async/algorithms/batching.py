@@ -196,9 +196,3 @@ def collate(samples: Sequence[Sample], pad_id: int, max_len: int | None = None, 
         prompt_index=torch.tensor([s.prompt_index for s in samples], dtype=torch.long),
     )
 
-
-def collate_dpo(pairs: Sequence[tuple[Sample, Sample]], pad_id: int, max_len: int | None = None, pad_to_multiple_of: int = 1) -> TrainBatch:
-    """One TrainBatch of 2P rows: rows [:P] are the chosen, rows [P:] the rejected completions."""
-    if not pairs:
-        raise ValueError("collate_dpo: no pairs (every prompt tied or had < 2 samples?)")
-    return collate([c for c, _ in pairs] + [r for _, r in pairs], pad_id, max_len, pad_to_multiple_of)
