@@ -18,7 +18,7 @@
 #
 # Phases (tools/gpu_check.py; OUT_DIR/<phase>.json says ok / skipped + reason / failed + error):
 #   env            GPU, driver, torch, CUDA, cuDNN, NCCL versions; packages and where they come from
-#   fork_probe     gpu-path.md defect 4: does torch.cuda.is_available() poison a later fork, with and
+#   fork_probe     does torch.cuda.is_available() poison a later fork (vLLM forks workers), with and
 #                  without PYTORCH_NVML_BASED_CUDA_CHECK=1 (no vLLM needed)
 #   gpu_tests      `pytest -m gpu` over tests/ (collected without mlflow/vLLM) minus the vLLM module:
 #                  bf16 + DistributedOptimizer, NaN guard, checkpoint round trip, HF export, parity

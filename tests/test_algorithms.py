@@ -212,7 +212,7 @@ def test_dpo_nll_term_adds_the_chosen_token_mean_nll():
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_batch_preparation_and_loss_stay_on_the_learners_device(name):
-    """gpu-path.md item 7: learner outputs on one device, the batch on another, must never meet.
+    """Learner outputs on one device, the batch on another, must never meet.
 
     Microbatches go to the learner's device and the learner's outputs come back there; `meta`
     tensors (shapes only) stand in for a GPU: any CPU tensor in the arithmetic raises."""

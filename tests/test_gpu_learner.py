@@ -46,7 +46,7 @@ def test_spec_fp32_and_bf16_logits_match_transformers(tiny_ckpts, tmp_path):
     scale = max(1.0, r["logit_scale"])
     assert r["float32_max_diff"] < (1e-2 * scale if te else 1e-3)  # TE GEMMs: TF32 (module docstring)
     assert r["bfloat16_max_diff"] < 0.05 * scale
-    # defect 8: masked-softmax fusion only where its kernel exists
+    # masked-softmax fusion only where its kernel exists
     assert r["bfloat16_perf"]["masked_softmax_fusion"] == (te or r["bfloat16_perf"]["backend"]["softmax_kernel"])
 
 
@@ -56,7 +56,7 @@ def test_bf16_training_with_distributed_optimizer(tiny_ckpts, tmp_path):
     assert r["optimizer"] == "DistributedOptimizer"
     assert r["skipped"] == [0.0] * 4
     assert all(math.isfinite(x) for x in r["losses"] + r["grad_norms"])
-    assert all(g > 0 for g in r["grad_norms"])  # the real norm (defect 9: it used to read 0.0)
+    assert all(g > 0 for g in r["grad_norms"])  # the real norm (it used to read 0.0)
     assert r["losses"][-1] < r["losses"][0]  # same batch four times: the loss must fall
 
 

@@ -36,7 +36,7 @@ def test_gpu_auto_defaults():
     local = flags(resolve(None, GPU_LOCAL, tp=2, dp=2))
     assert local == {"sequence_parallel": False, "overlap_grad_reduce": True, "overlap_param_gather": True,
                      "gradient_accumulation_fusion": False, "rope_fusion": False, "distributed_optimizer": True,
-                     "masked_softmax_fusion": False}  # no kernel for it with the local spec (defect 8)
+                     "masked_softmax_fusion": False}  # no kernel for it with the local spec
     te = flags(resolve(None, GPU_TE, tp=2, dp=2))
     assert te == {**local, "sequence_parallel": True, "rope_fusion": True, "masked_softmax_fusion": True}
     # one GPU, TP=1: nothing to overlap and no sequence to split
@@ -52,7 +52,7 @@ def test_gpu_auto_defaults():
 
 
 @pytest.mark.parametrize("key,backend,tp,dp", [
-    ("sequence_parallel", CPU, 2, 1),  # the torch-norm fallback refuses it (cpu-stack.md)
+    ("sequence_parallel", CPU, 2, 1),  # megatron-core's torch-norm fallback refuses it
     ("sequence_parallel", GPU_LOCAL, 2, 1),  # ... on GPU too, without TE
     ("sequence_parallel", GPU_TE, 1, 1),  # nothing to split
     ("overlap_param_gather", CPU, 1, 2),  # no DistributedOptimizer on CPU

@@ -21,8 +21,8 @@ that dies or times out loses only its own figures:
    from its formula).
 2. vllm (needs vLLM; skipped with the reason otherwise): a checkpoint of the same shape with the
    in-code tokenizer, one replica on the GPU AFTER the learner process has exited (vLLM insists on
-   gpu_memory_utilization of the whole GPU being free: gpu-path.md defect 5), with
-   PYTORCH_NVML_BASED_CUDA_CHECK=1 and VLLM_WORKER_MULTIPROC_METHOD=spawn (defect 4). Tokens/s of
+   gpu_memory_utilization of the whole GPU being free), with PYTORCH_NVML_BASED_CUDA_CHECK=1 and
+   VLLM_WORKER_MULTIPROC_METHOD=spawn (so no CUDA is initialised before a fork). Tokens/s of
    256 prompts x n=4 x 256 tokens (ignore_eos), bf16; weight sync (one vLLM weight update per
    version, 3 versions) only on CPU for now: GPU replicas take weights through vLLM's NCCL
    backend, which the sender does not drive yet (docs/replicas-and-weight-sync.md).

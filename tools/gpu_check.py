@@ -137,7 +137,7 @@ print(json.dumps({"is_available": available, "is_initialized_after": initialized
 
 
 def fork_probe(args) -> dict:
-    """gpu-path.md defect 4: does torch.cuda.is_available() initialise CUDA and poison a later fork?
+    """Does torch.cuda.is_available() initialise CUDA and poison a later fork?
     Fresh interpreters: (a) is_available() then fork, (b) the same with PYTORCH_NVML_BASED_CUDA_CHECK=1,
     (c) control: CUDA really initialised, then fork. The child then uses CUDA."""
     out, procs = {}, {}
@@ -168,7 +168,7 @@ def fork_probe(args) -> dict:
             "is_available_poisons_fork": d.get("child_cuda") != "ok" and not d.get("is_initialized_after"),
             "nvml_check_keeps_fork_safe": n.get("child_cuda") == "ok",
             "note": "poisoned = the child cannot use CUDA although torch.cuda.is_initialized() was False in the "
-                    "parent, so vLLM would still have chosen fork (gpu-path.md defect 4)",
+                    "parent, so vLLM would still have chosen fork",
         }
     else:
         out["note"] = "no CUDA here: the probe's code path ran, its answer needs a GPU"
@@ -304,7 +304,7 @@ class _FakeLearner:
 def batch_prep(args) -> dict:
     """RLOO and PPO batch preparation on the GPU, through megatron_async.algorithms: selection,
     microbatches built on the device, `prepare` (reference logprobs, advantages, GAE) with a fake
-    learner. Checks that every tensor the loss will read is on the device (gpu-path.md defect 7).
+    learner. Checks that every tensor the loss will read is on the device.
 
     The one place this calls into algorithms/ (its API was being refactored): build_algorithm,
     Algorithm.select / .microbatches / .prepare, split_units."""

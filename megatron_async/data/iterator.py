@@ -4,8 +4,9 @@ Epoch e visits every item once, in the order `permutation(seed, e)`; the state i
 (epoch, position), so a checkpoint restores the exact next item: nothing skipped, nothing repeated.
 
 NOTE: the state counts items HANDED OUT. Prompts handed to generation but not yet trained on at
-checkpoint time are the rollout buffer's to save (peers.md: resumes that drop buffered rollouts);
-this iterator does not take them back.
+checkpoint time are the rollout buffer's to save (users of other RLHF systems have reported resumes
+that dropped buffered rollouts or skipped prompts; docs/checkpoints.md); this iterator does not
+take them back.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Score (prompt, completion, reference) triples with a per-sample timeout; failures are recorded.
 
 A reward that could not be computed is NOT a reward of 0: training on it would teach the policy
-that whatever it wrote is wrong (peers.md: "Never turn a failed generation into a zero-reward
-sample"). Each sample therefore ends as exactly one of
+that whatever it wrote is wrong (the rule other RLHF systems state too: never turn a failed
+generation into a zero-reward sample). Each sample therefore ends as exactly one of
   - a finite float reward,
   - an error (the scorer raised, or returned something that is not a finite number), or
   - a timeout (the scorer did not return within `timeout_s`).
