@@ -77,10 +77,11 @@ def test_sampling_params_seed_and_fields():
     assert "seed" not in Sampling().params(None) and "logprobs" not in Sampling(logprobs=False).params(None)
 
 
-def test_a_dropped_connection_to_a_replica_that_still_answers_is_only_requeued(tmp_path):
+def test_a_dropped_connection_to_a_replica_that_still_answers_is_only_requeued(tmp_path, caplog):
     """Pool logic against a stand-in server (stdlib HTTP, not vLLM): the first generate request's
     connection is closed without an answer while /health keeps answering. The prompt is sent
-    again and the replica is neither marked down nor restarted (a restart costs 30-130 s here)."""
+    again and the replica is neither marked down nor restarted (a restart costs 30-130 s here); the
+    requeue is a warning of the pool's logger (the run log's format), not a print."""
     import json
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -114,10 +115,13 @@ def test_a_dropped_connection_to_a_replica_that_still_answers_is_only_requeued(t
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        with ReplicaPool(spec(tmp_path), urls=[url], key="k", start_timeout_s=10, max_failures=0) as pool:  # no failure allowed
+        with ReplicaPool(spec(tmp_path), urls=[url], key="k", start_timeout_s=10, max_failures=0) as pool, \
+                caplog.at_level("WARNING", logger="megatron_async.rollout.pool"):  # no failure allowed
             records = pool.generate([[1, 2]], Sampling(n=1, max_tokens=1, logprobs=False), timeout_s=30)
             assert [r.token_ids for r in records] == [(7,)] and dropped == [1]
             assert pool.stats()["requeues"] == 1 and pool.health_check()[0]["up"]
+        assert [r.getMessage().split(": ", 1)[0] for r in caplog.records if r.name == "megatron_async.rollout.pool"] \
+            == ["replica 0"] and "request requeued, replica kept" in caplog.text, caplog.text
     finally:
         server.shutdown()
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import logging
 import secrets
 import tempfile
 import threading
@@ -58,6 +59,8 @@ import torch
 from megatron_async.config import LOOPBACK_HOSTS
 from megatron_async.rollout.launcher import LocalLauncher, PoolError, free_port
 from megatron_async.rollout.replica import ReplicaClient, ReplicaError, ReplicaSpec, Sampling, auth_headers, parse_version
+
+log = logging.getLogger(__name__)
 
 UpdateMode = Literal["between_batches", "during_generation"]
 GENERATE_ROUTE = "/inference/v1/generate"
@@ -224,11 +227,11 @@ class ReplicaPool:
             if rep.failures > self.max_failures:
                 return  # `_check_budget` raises in the caller
             if self._launcher is None:
-                print(f"[pool] replica {rep.id} at {rep.url} failed: {reason}; waiting for it to answer again", flush=True)
+                log.warning("replica %d at %s failed: %s; waiting for it to answer again", rep.id, rep.url, reason)
                 rep.restarting = True
                 self._restarts.submit(self._reconnect, rep)
                 return
-            print(f"[pool] restarting replica {rep.id} (failure {rep.failures}/{self.max_failures}): {reason}", flush=True)
+            log.warning("restarting replica %d (failure %d/%d): %s", rep.id, rep.failures, self.max_failures, reason)
             rep.restarting = True
         self._restarts.submit(self._restart, rep)
 
@@ -375,7 +378,7 @@ class ReplicaPool:
             except (ConnectionError, TimeoutError) as e:
                 self._failed(rep, f"weight update ({phase}): {e}")
             except ReplicaError as e:
-                print(f"[pool] replica {rep.id} dropped from the weight update ({phase}): {e}", flush=True)
+                log.warning("replica %d dropped from the weight update (%s): %s", rep.id, phase, e)
                 with self._lock:
                     rep.weights_ok = False
         return ok
@@ -452,8 +455,7 @@ class ReplicaPool:
                             pending.appendleft(i)
                             self.requeues += 1
                             if self._connection_dropped(task) and await self._answers(http, rep):
-                                print(f"[pool] replica {rep.id}: {error}; it answers /health: request requeued, "
-                                      f"replica kept", flush=True)
+                                log.warning("replica %d: %s; it answers /health: request requeued, replica kept", rep.id, error)
                             else:
                                 self._failed(rep, error)
             finally:
