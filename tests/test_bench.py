@@ -3,6 +3,7 @@ validation of the CPU pinning keys. Fast, no processes, no timed assertions."""
 import os
 
 import pytest
+import torch
 
 from megatron_async.bench import report
 from megatron_async.bench.commands import pin_overrides, sweep_plan
@@ -339,3 +340,23 @@ def test_time_to_quality_places_each_evaluation_at_its_steps_wall_time():
     assert t["sync"] == {"seconds": [8.0], "ratio_to_sync": [1.0]}
     assert t["async"] == {"seconds": [6.0], "ratio_to_sync": [0.75]}
     assert t["auto"] == {"seconds": [None], "ratio_to_sync": [None]}  # never reached sync's final
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to pin to one and lift it")
+def test_sft_before_the_replicas_gets_the_cpus_back_and_the_pinning_returns(monkeypatch):
+    from megatron_async.cluster import cpu_affinity
+
+    before, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    monkeypatch.setattr(cpu_affinity, "_ORIGINAL_AFFINITY", set(before))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    try:
+        cpu_affinity.pin_current_process(before[:1])
+        with cpu_affinity.unpinned_before_replicas():
+            assert sorted(os.sched_getaffinity(0)) == before and torch.get_num_threads() == len(before)
+        assert sorted(os.sched_getaffinity(0)) == before[:1] and torch.get_num_threads() == 1
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # several local ranks: each keeps its share
+        with cpu_affinity.unpinned_before_replicas():
+            assert sorted(os.sched_getaffinity(0)) == before[:1]
+    finally:
+        os.sched_setaffinity(0, before)
+        torch.set_num_threads(threads)

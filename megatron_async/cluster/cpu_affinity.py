@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 import re
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
@@ -97,6 +99,24 @@ def pin_learner(learner_cpus: str) -> list[int]:
     mine = rank_cpus(cpus, int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     pin_current_process(mine)
     return mine
+
+
+@contextmanager
+def unpinned_before_replicas() -> Iterator[None]:
+    """Lift `pin_learner`'s pinning while nothing else runs beside the learner yet (the SFT warm-up,
+    before any replica or reward worker starts): a single learner rank on this machine gets back
+    the CPUs it had before pinning (measured on 2 cores: SFT at 6.4 steps/s on both, 4.2 on one),
+    and its pinning and thread count afterwards. A no-op when unpinned or with several local ranks."""
+    if _ORIGINAL_AFFINITY is None or int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        yield
+        return
+    pinned, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    pin_current_process(sorted(_ORIGINAL_AFFINITY))
+    try:
+        yield
+    finally:
+        pin_current_process(pinned)
+        torch.set_num_threads(threads)
 
 
 def replica_pin_env(replica_cpus: str) -> dict[str, str]:

@@ -30,6 +30,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from megatron_async.cluster.cpu_affinity import unpinned_before_replicas
 from megatron_async.cluster.placement import check_reachable, learner_device_index
 from megatron_async.config import LOOPBACK_HOSTS, Config, flatten, save_config
 from megatron_async.learner.hf_export import export_hf
@@ -79,7 +80,10 @@ class Trainer:
         tracker = build_tracker(cfg, layout.rank)
         if not tracker.resumed:  # MLflow refuses to change a logged param (e.g. run.resume)
             tracker.log_params(flatten(cfg))
-        init_model = run_sft(cfg, base, tokenizer, layout, tracker) if cfg.sft.steps > 0 else base
+        init_model = base
+        if cfg.sft.steps > 0:
+            with unpinned_before_replicas():  # nothing else runs yet: SFT may use every core
+                init_model = run_sft(cfg, base, tokenizer, layout, tracker)
         learner = LearnerState.build(cfg, init_model, layout, tokenizer.pad_token_id)
         rollout = RolloutState.build(cfg, tokenizer, init_model) if rank0 else None
         where = (rollout.pool.urls, rollout.pool.key, socket.gethostname()) if rank0 else None
