@@ -9,10 +9,13 @@ from megatron_async.rollout.producer import RolloutBatch, RolloutProducer
 
 
 class Recorder:
-    """make_batch that records which synced version each batch started under."""
+    """make_batch that records which batches started, and the version the learner had announced
+    (`sync`) when each started: an admission check at the moment of the start, not after a sleep."""
 
     def __init__(self, fail_at=None):
         self.started: list[int] = []
+        self.started_under: dict[int, int] = {}
+        self.announced = 0
         self.fail_at = fail_at
         self.lock = threading.Lock()
 
@@ -21,7 +24,14 @@ class Recorder:
             raise ValueError("replica exploded")
         with self.lock:
             self.started.append(index)
+            self.started_under[index] = self.announced
         return RolloutBatch(index=index, policy_version=-1, problems=[], completions=[], rewards=[])
+
+
+def sync(prod, maker, version):
+    """The learner's push: announced to the maker BEFORE the producer may admit under it."""
+    maker.announced = version
+    prod.notify_synced(version)
 
 
 def wait_until(cond, timeout=5.0):
@@ -35,20 +45,24 @@ def wait_until(cond, timeout=5.0):
 
 @pytest.mark.parametrize("max_lag", [0, 1, 2])
 def test_batches_get_version_b_minus_lag_and_wait_for_it(max_lag):
+    """The learner as Trainer drives it: it pushes version step + 1 only once `old_weights_done(step)`
+    (every batch that may use version step is generated). Then batch b gets exactly
+    max(0, b - max_lag), however late the producer thread is scheduled."""
     maker = Recorder()
     prod = RolloutProducer(maker, max_lag=max_lag, last_batch=5).start()
     try:
         for step in range(6):
-            assert wait_until(lambda: prod.generated_through(step))
-            # admission: nothing that would need a version the replicas do not hold has started
-            time.sleep(0.05)
-            assert max(maker.started) <= step + max_lag
-            assert prod.has(step)
+            assert wait_until(lambda: prod.has(step))
             batch = prod.take(step)
             assert batch.index == step and batch.policy_version == max(0, step - max_lag)
             assert step - batch.policy_version <= max_lag
-            prod.notify_synced(step + 1)
+            assert wait_until(lambda: prod.old_weights_done(step))
+            # admission: nothing that would need a version the replicas do not hold has started
+            assert max(maker.started) <= step + max_lag
+            sync(prod, maker, step + 1)
         assert maker.started == list(range(6))  # and nothing past last_batch
+        # each batch started only once the version it needs was announced, and under that version
+        assert maker.started_under == {b: max(0, b - max_lag) for b in range(6)}
     finally:
         prod.stop()
 
@@ -77,12 +91,11 @@ def test_push_waits_for_the_batch_in_flight_only_between_batches(during):
     prod = RolloutProducer(maker, max_lag=1, last_batch=3, updates_during_generation=during).start()
     try:
         maker.release.set()  # batch 0
-        assert wait_until(lambda: prod.generated_through(0) and maker.started == [0, 1])
-        assert not prod.generated_through(1)  # batch 1 runs, held by the gate
-        time.sleep(0.05)
+        assert wait_until(lambda: prod.has(0) and maker.started == [0, 1])
+        assert not prod.has(1)  # batch 1 runs, held by the gate: its make_batch has been called
         assert prod.old_weights_done(0) is during
         maker.release.set()
-        assert wait_until(lambda: prod.generated_through(1))
+        assert wait_until(lambda: prod.has(1))
         assert prod.old_weights_done(0)
         assert not prod.old_weights_done(1)  # batch 2 needs v1 and is not admitted before it is pushed
     finally:
@@ -92,16 +105,18 @@ def test_push_waits_for_the_batch_in_flight_only_between_batches(during):
 
 def test_resume_with_buffered_batches():
     maker = Recorder()
+    maker.announced = 4  # the checkpoint's version, which the replicas hold after the resume
     saved = [RolloutBatch(index=4, policy_version=3, problems=[], completions=[], rewards=[])]
     prod = RolloutProducer(maker, max_lag=1, last_batch=7, first_batch=4, synced_version=4, ready=saved).start()
     try:
         assert prod.take(4) is saved[0]
-        assert wait_until(lambda: prod.generated_through(5))
+        assert wait_until(lambda: prod.has(5))
         assert prod.take(5).policy_version == 4
-        time.sleep(0.05)
-        assert maker.started == [5]  # batch 6 needs version 5
-        prod.notify_synced(5)
-        assert wait_until(lambda: prod.generated_through(6))
+        assert wait_until(lambda: prod.old_weights_done(4))
+        sync(prod, maker, 5)
+        assert wait_until(lambda: prod.has(6))
+        assert prod.take(6).policy_version == 5
+        assert maker.started_under == {5: 4, 6: 5}  # batch 6 started only once version 5 was announced
     finally:
         prod.stop()
 
@@ -118,6 +133,6 @@ def test_errors_reach_the_learner():
 
 def test_stop_ends_a_waiting_thread():
     prod = RolloutProducer(Recorder(), max_lag=0, last_batch=100).start()
-    assert wait_until(lambda: prod.generated_through(0))
+    assert wait_until(lambda: prod.has(0))
     prod.stop(timeout=5)
     assert not prod._thread.is_alive()

@@ -114,12 +114,6 @@ class RolloutProducer:
                 raise KeyError(f"batch {index} is not generated yet (generated up to {self._next - 1})")
             return self._ready.pop(index)
 
-    def generated_through(self, index: int) -> bool:
-        """True when every batch up to `index` is generated (trained or waiting in the buffer)."""
-        with self._cond:
-            self._raise_if_failed()
-            return self._next > index
-
     def old_weights_done(self, version: int) -> bool:
         """True when no batch that may use weights `version` is still to be generated: the learner
         may push version + 1 (batches up to version + max_lag generated, none of them in flight).
