@@ -130,9 +130,11 @@ def test_scoring_records_errors_and_never_scores_them_zero():
 
 def test_scoring_times_out_one_sample_and_ignores_its_late_result():
     release = threading.Event()
+    hung = []
 
     def score(prompt, completion, reference):
         if completion == "hang":
+            hung.append(threading.current_thread())
             release.wait(10.0)
         return 1.0
 
@@ -141,8 +143,9 @@ def test_scoring_times_out_one_sample_and_ignores_its_late_result():
     report = score_samples(samples, score, timeout_s=0.3)
     assert time.monotonic() - t0 < 3.0
     release.set()
-    time.sleep(0.05)  # let the hung scorer finish: its late 1.0 must not appear
-    assert [s.reward for s in report.scores] == [1.0, None, 1.0]
+    hung[0].join(5.0)  # the hung scorer has returned and its worker has written its late 1.0 ...
+    assert not hung[0].is_alive()
+    assert [s.reward for s in report.scores] == [1.0, None, 1.0]  # ... but not into the report
     assert report.scores[1].timed_out and report.n_timeouts == 1 and report.n_errors == 0
     assert report.metrics()["reward/timeouts"] == 1.0
 
