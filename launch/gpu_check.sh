@@ -43,7 +43,7 @@ SCALE=${GPU_CHECK_TIMEOUT_SCALE:-$(( ${#DRY[@]} ? 4 : 1 ))}
 BUDGET_S=$(( BUDGET_S * SCALE ))
 
 if [[ ${#DRY[@]} -gt 0 ]]; then
-  PY=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
+  PY=${PYTHON:-$([[ -x ${VENV:-.venv}/bin/python ]] && echo "${VENV:-.venv}/bin/python" || echo python3)}
   # As on the lent GPU machine: these packages are absent (tests/hide_modules/sitecustomize.py).
   export MEGATRON_ASYNC_HIDE_MODULES=${MEGATRON_ASYNC_HIDE_MODULES:-mlflow,vllm,transformer_engine,datasets,rich,matplotlib,psutil,sentencepiece,accelerate,hypothesis}
   export PYTHONPATH="$REPO/tests/hide_modules${PYTHONPATH:+:$PYTHONPATH}"

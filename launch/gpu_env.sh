@@ -50,6 +50,6 @@ gpus_on_node() {
 load_placement() {
     local node_rank=$1; shift
     local layout
-    layout=$(.venv/bin/megatron-async placement --node-rank "$node_rank" "$@")
+    layout=$("${VENV:-.venv}/bin/megatron-async" placement --node-rank "$node_rank" "$@")
     eval "$layout"
 }

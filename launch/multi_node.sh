@@ -26,6 +26,8 @@
 #   REPLICA_BASE_PORT  replica i listens on this + i (-> rollout.base_port): required with a
 #                 dedicated replica node, else only when a firewall needs fixed ports
 #   GPUS_PER_NODE default: the GPUs this node shows
+#   VENV          the virtual environment to run from (default .venv; the GPU stack: VENV=.venv-gpu,
+#                 as launch/install.sh was given)
 #
 # Rendezvous: static (--node-rank, --master-addr/--master-port), not c10d. The first learner node
 # must be the node with rank 0 (which owns the replica pool), and with placement "auto" a shared
@@ -58,7 +60,7 @@ if [[ $NPROC_PER_NODE == 0 ]]; then
     pids=()
     trap 'kill -TERM "${pids[@]}" 2>/dev/null' INT TERM
     for ((i = 0; i < NUM_REPLICAS; i++)); do
-        .venv/bin/megatron-async serve-replica "${ARGS[@]}" --index "$i" &
+        "${VENV:-.venv}/bin/megatron-async" serve-replica "${ARGS[@]}" --index "$i" &
         pids+=($!)
     done
     rc=0
@@ -66,6 +68,6 @@ if [[ $NPROC_PER_NODE == 0 ]]; then
     wait  # after a signal: until every server has stopped
     exit "$rc"
 fi
-exec .venv/bin/python -m torch.distributed.run --nnodes="$TORCHRUN_NNODES" --node-rank="$TORCHRUN_NODE_RANK" \
+exec "${VENV:-.venv}/bin/python" -m torch.distributed.run --nnodes="$TORCHRUN_NNODES" --node-rank="$TORCHRUN_NODE_RANK" \
     --nproc-per-node="$NPROC_PER_NODE" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
     -m megatron_async train "${ARGS[@]}"

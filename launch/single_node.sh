@@ -9,7 +9,8 @@
 # runs one learner rank; set placement.learner_gpus / placement.replica_gpus for another split.
 # torchrun starts the learner ranks; learner rank 0 starts the replicas as its subprocesses, each
 # with CUDA_VISIBLE_DEVICES = its own GPUs (vLLM's own tensor parallelism when replica_tp > 1).
-# GPU ids are indices within CUDA_VISIBLE_DEVICES when it is set.
+# GPU ids are indices within CUDA_VISIBLE_DEVICES when it is set. Runs from ${VENV:-.venv} (the GPU
+# stack installed with `VENV=.venv-gpu EXTRAS=gpu,test bash launch/install.sh`: VENV=.venv-gpu here too).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [[ $# -ge 1 ]] || { echo "usage: $0 CONFIG [section.key=value ...]" >&2; exit 2; }
@@ -22,5 +23,5 @@ load_placement 0 "${ARGS[@]}"   # sets NPROC_PER_NODE, LEARNER_GPUS, REPLICA_GPU
 echo "[single_node] $GPUS GPUs: learner ranks on GPUs $LEARNER_GPUS, replicas on GPUs $REPLICA_GPUS"
 
 # --standalone: a rendezvous on localhost with a free port (no MASTER_ADDR/PORT needed).
-exec .venv/bin/python -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" \
+exec "${VENV:-.venv}/bin/python" -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" \
     -m megatron_async train "${ARGS[@]}"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Install everything into .venv (first run: ~5-8 min) and run the test suite with the real vLLM and
 # megatron-core on CPU. Extra arguments go to pytest, e.g. `bash launch/test.sh -k config -x`.
+# VENV and EXTRAS go to launch/install.sh, and the tests run in that VENV (default .venv), e.g.
+# `VENV=.venv-gpu EXTRAS=gpu,test bash launch/test.sh -m gpu`.
 #
 # Tiers (markers in pytest.ini, applied and enforced in tests/conftest.py):
 #   bash launch/test.sh -m "not integration"            fast tier: in-process unit tests (losses,
@@ -15,4 +17,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/install.sh
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
-exec .venv/bin/python -m pytest "$@"
+exec "${VENV:-.venv}/bin/python" -m pytest "$@"

@@ -6,9 +6,9 @@
 # written on a CPU-only machine). GPU_BENCH_SMOKE=1 runs the same path on CPU with a tiny model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# .venv when there is one (launch/install.sh), else the machine's python3 (e.g. the lent GPU machine,
+# ${VENV:-.venv} when there is one (launch/install.sh), else the machine's python3 (e.g. the lent GPU machine,
 # with megatron-core from .whl/ as launch/gpu_check.sh installs it; the project from the working tree).
-PY=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
+PY=${PYTHON:-$([[ -x ${VENV:-.venv}/bin/python ]] && echo "${VENV:-.venv}/bin/python" || echo python3)}
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
 [[ -d .gpu_site ]] && export PYTHONPATH="$(pwd)/.gpu_site:$PYTHONPATH"  # left by launch/gpu_check.sh
 exec timeout --signal=TERM --kill-after=10 480 "$PY" tools/gpu_bench.py "$@"
