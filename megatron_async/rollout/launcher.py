@@ -86,10 +86,6 @@ class LocalLauncher:
             time.sleep(0.5)
         return proc.pid
 
-    def exit_code(self, rid: int) -> int | None:
-        """None while replica `rid`'s supervisor runs."""
-        return self._procs[rid].poll()
-
     def kill(self, rid: int, grace_s: float = 0.0) -> None:
         """SIGTERM the replica's process group, SIGKILL what is left after `grace_s` (0 = SIGKILL now)."""
         proc = self._procs.get(rid)

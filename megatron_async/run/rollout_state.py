@@ -213,7 +213,7 @@ def _process_seconds() -> float | None:
     """Wall time of this process so far (the run's, for a run that was not resumed)."""
     try:
         return time.time() - psutil.Process().create_time()
-    except Exception:  # psutil missing or the process table unreadable: no wall time in the summary
+    except Exception:  # the process table unreadable (psutil.Error): no wall time in the summary
         return None
 
 

@@ -1,4 +1,4 @@
-"""The asynchronous RLHF loop, readable top to bottom in `Trainer.train`.
+"""The asynchronous RLHF loop: `Trainer.train`.
 
 Processes: torchrun starts the learner ranks (TP x PP x DP); learner rank 0 also starts the vLLM
 replica pool (separate processes) and runs the rollout producer thread (`rollout/producer.py`).
