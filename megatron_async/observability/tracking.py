@@ -23,6 +23,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from megatron_async.observability.logs import route_through_root
+
 log = logging.getLogger(__name__)
 
 PENDING_FILE = "mlflow_pending.jsonl"
@@ -52,8 +54,6 @@ class MlflowTracker:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(1, request_timeout_s))))
         from mlflow.tracking import MlflowClient
-
-        from megatron_async.observability.logs import route_through_root
 
         route_through_root("mlflow")  # its own stderr handler would bypass the quiet console
         self.uri = uri or f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}"
