@@ -17,4 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/install.sh
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+# matplotlib builds its font cache on first use by running fc-list, a process, which the fast tier
+# forbids inside a test: build it here, once per machine, before the tests start.
+"${VENV:-.venv}/bin/python" -c "import matplotlib.font_manager"
 exec "${VENV:-.venv}/bin/python" -m pytest "$@"
