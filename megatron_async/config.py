@@ -36,7 +36,8 @@ TOKEN_ENV = "MEGATRON_ASYNC_ROLLOUT_TOKEN"  # rollout.token when the config leav
 
 # Allowed-value sets used beyond the schema, each defined once here.
 OnLongPrompt = Literal["error", "drop"]  # data.on_long_prompt
-WeightTransport = Literal["auto", "shm", "http", "nccl"]  # rollout.weight_transport
+WeightTransport = Literal["auto", "shm", "http", "nccl", "gloo"]  # rollout.weight_transport
+BROADCAST_TRANSPORTS = ("nccl", "gloo")  # weights/broadcast.py's; the others are weights/host_memory.py's
 AlgorithmName = Literal[tuple(ALGORITHMS)]  # trainer.algorithm: the registry's names
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})  # a host only this machine reaches
 
@@ -179,15 +180,18 @@ class RolloutConfig:
     sync_bucket_mb: int = opt(64, "weight sync bucket cap (MB)")
     sync_timeout_s: float = opt(120.0, "a weight sync slower than this fails loudly")
     weight_transport: WeightTransport = opt("auto",
-        "how weight buckets reach the replicas' weight-transfer engine (weights/sync.py): shm (a /dev/shm "
-        "segment; replicas on this host), http (inline in the request body; any host), nccl (vLLM's NCCL "
-        "backend, GPU replicas, learner PP=1; weights/nccl_sender.py: not yet run on a GPU); auto = shm for "
-        "loopback replicas, else http (both work for GPU replicas too)")
-    nccl_address: str = opt("",
-        "weight_transport=nccl: the address replicas reach the learner's sender at (its NCCL rendezvous); "
-        "\"\" = 127.0.0.1 for replicas on this host, else this host's name")
-    nccl_port: int = opt(0,
-        "weight_transport=nccl: replica i's NCCL group rendezvous at nccl_port + i; 0 = a free port each time")
+        "how weight buckets reach the replicas' weight-transfer engine: shm (a /dev/shm segment; replicas "
+        "on this host), http (inline in the request body; any host) (weights/host_memory.py); nccl (vLLM's "
+        "NCCL engine, GPU replicas, learner PP=1; its GPU communicator has not yet run on a GPU), gloo (the "
+        "same sender and engine code with a gloo communicator: any host, CPU; learner PP=1) "
+        "(weights/broadcast.py); auto = shm for loopback replicas, else http (both work for GPU replicas too)")
+    rendezvous_address: str = opt("",
+        "weight_transport=nccl/gloo: the address replicas reach the learner's sender at (its process "
+        "group's TCP rendezvous); \"\" = 127.0.0.1 for replicas on this host, else the address this host "
+        "uses to reach the replica's host")
+    rendezvous_port: int = opt(0,
+        "weight_transport=nccl/gloo: replica i's group rendezvous at rendezvous_port + i; 0 = a free port "
+        "each time")
     generate_timeout_s: float = opt(600.0, "a generation request slower than this fails its replica")
     replica_cpus: int | str = opt("",
         "CPU ids every replica process pins itself to (\"1\", \"2-3\"); \"\" = no pinning (if the learner is "
@@ -247,7 +251,7 @@ class TrainerConfig:
     eval_every: int = opt(0, "steps between pass@1 evaluations (0 = before and after only)")
     max_bad_steps: int = opt(3,
         "consecutive bad steps (NaN/inf loss or gradients, or no sample with a reward) before the run stops with "
-        "an error; a run of fewer steps stops at its end if every step was bad (run/trainer.py: BadStepGuard)")
+        "an error; a run of fewer steps stops at its end if every step was bad (run/bad_steps.py)")
 
 
 @dataclass
@@ -514,12 +518,13 @@ def validate(cfg: Config) -> None:
                  "rollout.weight_transport", r.weight_transport,
                  f"shared memory needs the replicas on the learner's host (rollout.host={r.host!r}, "
                  f"placement.dedicated_replica_node={cfg.placement.dedicated_replica_node}): use auto or http")
-    if r.weight_transport == "nccl":
+    if r.weight_transport in BROADCAST_TRANSPORTS:
         _require(cfg.parallel.pp == 1, "rollout.weight_transport", r.weight_transport,
-                 f"vLLM's NCCL backend takes one sender per replica: the learner must run parallel.pp=1 "
+                 f"vLLM's NCCL engine takes one sender per replica: the learner must run parallel.pp=1 "
                  f"(got {cfg.parallel.pp}); use auto (host memory) with pipeline parallelism")
-        _require(r.nccl_port == 0 or 1024 <= r.nccl_port <= 65535 - r.num_replicas, "rollout.nccl_port", r.nccl_port,
-                 f"must be 0 (free ports) or in [1024, {65535 - r.num_replicas}] (replica i uses nccl_port + i)")
+        _require(r.rendezvous_port == 0 or 1024 <= r.rendezvous_port <= 65535 - r.num_replicas, "rollout.rendezvous_port",
+                 r.rendezvous_port, f"must be 0 (free ports) or in [1024, {65535 - r.num_replicas}] "
+                 f"(replica i uses rendezvous_port + i)")
     if r.replica_urls:
         _require(bool(r.token), "rollout.token", "", "rollout.replica_urls: servers started elsewhere need their key")
         _require(all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in r.replica_urls),

@@ -1,4 +1,4 @@
-"""The quiet console (observability/logs.py), the end-of-run summary (run/rollout_state.py) and the
+"""The quiet console (observability/logs.py), the end-of-run summary (run/report.py) and the
 evaluation's per-problem JSON with its progress bar (run/evaluate.py); all in-process."""
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 
 from megatron_async.config import load_config
 from megatron_async.observability import logs
+from megatron_async.run.report import run_summary
 
 
 @pytest.fixture
@@ -66,8 +67,6 @@ class _Tracker:
 
 
 def test_run_summary_names_metric_wall_time_and_where_things_are(tmp_path):
-    from megatron_async.run.rollout_state import run_summary
-
     cfg = load_config(None, [f"run.out_dir={tmp_path}", "run.name=r", "trainer.algorithm=rloo", "trainer.steps=30"])
     uri = f"sqlite:///{tmp_path}/r/mlflow.db"
     text = run_summary(cfg, 200, 0.015, 0.03, wall_s=3000.0, png=cfg.run_dir / "training.png",

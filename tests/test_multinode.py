@@ -229,7 +229,7 @@ def test_pool_of_replica_urls_when_their_server_dies(tmp_path):
     weights, not necessarily the pool's current ones)."""
     from megatron_async.learner.parallel import free_port
     from megatron_async.rollout import PoolError, ReplicaPool, ReplicaSpec, Sampling
-    from megatron_async.weights.sync import WeightSender
+    from megatron_async.weights.host_memory import HostMemorySender
     from tests.rollout_fixtures import state_dict
 
     port, node1 = free_port(), tmp_path / "node1"
@@ -266,8 +266,8 @@ def test_pool_of_replica_urls_when_their_server_dies(tmp_path):
             with pytest.raises(TimeoutError, match="unfinished"):
                 pool.generate(prompts, sampling, timeout_s=3)  # not fresh: no work before the push
             assert pool.begin_update(None, "between_batches", timeout_s=60) == [0]
-            with WeightSender(pool.urls, pool.key, timeout_s=60, bucket_bytes=1 << 20) as sender:
-                assert sender.push(iter(state_dict(base).items()))["failed"] == {}
+            with HostMemorySender(pool.urls, pool.key, timeout_s=60, bucket_bytes=1 << 20) as sender:
+                assert sender.push(iter(state_dict(base).items())).failed == {}
             assert pool.finish_update(1, [0]) == [0]
             assert pool.replicas_needing_weights() == []
             records = pool.generate(prompts, sampling)

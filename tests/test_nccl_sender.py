@@ -1,10 +1,12 @@
-"""rollout.weight_transport=nccl: weights/nccl_sender.py over vLLM's own `nccl` weight-transfer backend.
+"""rollout.weight_transport=nccl: the broadcast sender (weights/broadcast.py) over vLLM's PyNccl
+communicator into a GPU replica running `mas_nccl` (vLLM's NCCL engine, weights/broadcast_engine.py).
 
-The fast test checks what each `/update_weights` call tells the replica's NCCL engine (it sizes its
-receive buffers from it). The GPU test runs a real vLLM server on the GPU with
-`--weight-transfer-config '{"backend": "nccl"}'`, pushes other weights twice through the sender's
-persistent group and compares the sampled tokens' logprobs with transformers'. It needs CUDA and
-vLLM; none of this project's machines has both (the lent GPU's image has no vLLM), so it has not run.
+The fast test checks what each `/update_weights` call tells the replica's engine (it sizes its
+receive buffers from it). Everything else of this path but the CUDA communicator runs in CI over
+gloo (tests/test_gloo_wire.py). The GPU test needs CUDA, vLLM and two GPUs: NCCL refuses two ranks
+of one group on the same device (init.cc: "Duplicate GPU detected" -> ncclInvalidUsage), so the
+sender stays on cuda:0 and the replica gets cuda:1. No machine of this project has run it (the
+lent GPU is one H200 without vLLM).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import importlib.util
 import pytest
 import torch
 
-from megatron_async.weights.nccl_sender import update_info
+from megatron_async.weights.broadcast import update_info
 
 
 def test_update_info_names_dtypes_and_shapes_of_a_bucket():
@@ -29,22 +31,27 @@ def test_update_info_names_dtypes_and_shapes_of_a_bucket():
 
 @pytest.mark.gpu
 @pytest.mark.integration
-@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
-                    reason="needs CUDA and vLLM (a GPU replica with vLLM's nccl backend)")
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or importlib.util.find_spec("vllm") is None,
+                    reason="needs vLLM and 2 GPUs (NCCL refuses sender and replica on one device)")
 def test_nccl_push_into_a_gpu_replica_matches_transformers(tiny_models, tmp_path):
     from megatron_async.rollout import ReplicaPool, Sampling
-    from megatron_async.weights.nccl_sender import NcclSender
+    from megatron_async.weights.broadcast import BroadcastSender, make_wire
     from tests.rollout_fixtures import LOGPROB_TOL, max_logprob_diff, spec, state_dict
 
+    torch.cuda.set_device(0)
+    learner_stream = torch.cuda.current_stream()
     prompts = [[1, 5 + i, 6] for i in range(4)]
-    with ReplicaPool(spec(tiny_models[0], weight_backend="nccl", kv_cache_bytes=None), 1, log_dir=tmp_path) as pool:
-        sender = NcclSender(pool.urls, pool.key, address="127.0.0.1", replica_tp=1, timeout_s=120, bucket_bytes=48 << 10)
+    with ReplicaPool(spec(tiny_models[0], weight_backend="mas_nccl", kv_cache_bytes=None), 1, log_dir=tmp_path,
+                     devices=["1"]) as pool:
+        sender = BroadcastSender(pool.urls, pool.key, wire=make_wire("nccl"), replica_tp=1, timeout_s=120,
+                                 bucket_bytes=48 << 10)
         try:
             for version, model in ((1, tiny_models[1]), (2, tiny_models[2])):  # the second push reuses the group
                 opened = pool.begin_update(None, "between_batches", 120)
                 named = ((k, v.cuda()) for k, v in state_dict(model).items())
-                metrics = sender.push(named, urls=[pool.urls[i] for i in opened])
-                assert not metrics["failed"] and metrics["buckets"] > 1, metrics
+                result = sender.push(named, urls=[pool.urls[i] for i in opened])
+                assert not result.failed and result.buckets > 1, result
+                assert torch.cuda.current_stream() == learner_stream  # vLLM's warm-up kept off the learner's thread
                 assert pool.finish_update(version, opened) == [0]
                 records = pool.generate(prompts, Sampling(n=2, max_tokens=8, seed=0))
                 assert {r.policy_version for r in records} == {version}

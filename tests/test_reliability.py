@@ -30,11 +30,11 @@ def test_nan_step_is_skipped_and_repeated_nans_stop_with_a_checkpoint(tmp_path):
 
 
 def test_a_run_that_trains_on_nothing_but_nan_never_ends_with_exit_0():
-    """run/trainer.py's BadStepGuard, as Trainer.train calls it after each step: NaN/inf loss or
+    """run/bad_steps.py's BadStepGuard, as Trainer.train calls it after each step: NaN/inf loss or
     gradients (train/skipped) and batches without one reward (all scores NaN/inf or failed) are bad;
     max_bad_steps in a row stop the run, and so does a shorter run whose every step was bad."""
     from megatron_async.rollout.producer import RolloutBatch
-    from megatron_async.run.trainer import BadStepGuard
+    from megatron_async.run.bad_steps import BadStepGuard
 
     def batch(rewards):
         return RolloutBatch(index=0, policy_version=0, problems=[None] * len(rewards),

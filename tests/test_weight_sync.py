@@ -3,7 +3,7 @@ place through vLLM's weight-transfer API and our `mas_cpu` engine.
 
 After every sync vLLM's sampled-token logprobs must equal transformers' logprobs of the same tokens
 under the pushed weights (fp32, max |diff| < 1e-3). A sync here is what learner rank 0 and one
-stage sender do (tests/rollout_fixtures.sync): `begin_update`, `WeightSender.push`,
+stage sender do (tests/rollout_fixtures.sync): `begin_update`, `HostMemorySender.push`,
 `finish_update` on the replicas the push reached.
 
 The real-vLLM tests share one 2-replica pool; each pushes the next version after the pool's
@@ -21,12 +21,12 @@ import torch
 from safetensors.torch import load as st_load
 
 from megatron_async.rollout import ReplicaClient, ReplicaPool, Sampling
-from megatron_async.weights import sync as sync_mod
+from megatron_async.weights import host_memory as sync_mod
 from megatron_async.weights.buckets import (
     BucketChecksumError, group_by_cap, iter_buckets, pack_bucket, unpack_bucket,
 )
 from megatron_async.weights.shm import SHM_DIR, ShmSegment, open_segment
-from megatron_async.weights.sync import WeightSender, carrier_for
+from megatron_async.weights.host_memory import HostMemorySender, carrier_for
 from tests.rollout_fixtures import (
     LOGPROB_TOL, build_variants, max_logprob_diff, perturbed, resync, spec, state_dict, sync,
 )
@@ -104,21 +104,21 @@ def test_carrier_choice(monkeypatch):
     assert carrier_for("auto", "http://10.0.0.7:8000") == "http" and carrier_for("http", "http://127.0.0.1:8000") == "http"
     with pytest.raises(ValueError, match="weight_transport=shm needs replicas on this host"):
         carrier_for("shm", "http://10.0.0.7:8000")
-    with pytest.raises(ValueError, match="nccl is weights/nccl_sender"):
+    with pytest.raises(ValueError, match="nccl is weights/broadcast.BroadcastSender"):
         carrier_for("nccl", "http://127.0.0.1:8000")
     with pytest.raises(ValueError, match="rollout.weight_transport='udp'"):
         carrier_for("udp", "http://127.0.0.1:8000")
     monkeypatch.setattr(sync_mod, "shm_free_bytes", lambda: 64 << 20)  # a container's default /dev/shm
-    with WeightSender(["http://127.0.0.1:1"], "k", bucket_bytes=64 << 20) as sender:
+    with HostMemorySender(["http://127.0.0.1:1"], "k", bucket_bytes=64 << 20) as sender:
         assert sender.carriers == ["http"]  # auto falls back; nothing is sent before push
-    with WeightSender(["http://127.0.0.1:1"], "k", bucket_bytes=16 << 20) as sender:
+    with HostMemorySender(["http://127.0.0.1:1"], "k", bucket_bytes=16 << 20) as sender:
         assert sender.carriers == ["shm"]
-    with WeightSender(["http://127.0.0.1:1", "http://10.0.0.7:2"], "k", bucket_bytes=16 << 20) as sender:
+    with HostMemorySender(["http://127.0.0.1:1", "http://10.0.0.7:2"], "k", bucket_bytes=16 << 20) as sender:
         assert sender.carriers == ["http", "shm"]
     with pytest.raises(ValueError, match="at least one replica"):
-        WeightSender([], "k")
+        HostMemorySender([], "k")
     with pytest.raises(ValueError, match="key"):
-        WeightSender(["http://127.0.0.1:1"], "")
+        HostMemorySender(["http://127.0.0.1:1"], "")
 
 
 # -- real vLLM (integration) ------------------------------------------------------------------------
@@ -164,10 +164,10 @@ def test_sync_changes_outputs_and_logprobs_match_transformers(pool, models):
     version = pool.current_version + 1
     metrics, done = sync(pool, new, version)
     pool.held = new
-    assert done == [0, 1] and metrics["carriers"] == ["shm"] and not metrics["failed"]
-    assert metrics["buckets"] > 10 and metrics["replicas"] == 2
-    assert metrics["bytes"] > sum(t.nbytes for t in state_dict(new).values()) and metrics["bytes_total"] == 2 * metrics["bytes"]
-    assert metrics["gb_per_s"] > 0 and 0 < metrics["send_seconds"] <= metrics["seconds"]
+    assert done == [0, 1] and metrics.carriers == ["shm"] and not metrics.failed
+    assert metrics.buckets > 10 and metrics.replicas == 2
+    assert metrics.bytes > sum(t.nbytes for t in state_dict(new).values()) and metrics.bytes_total == 2 * metrics.bytes
+    assert metrics.gb_per_s > 0 and 0 < metrics.send_seconds <= metrics.seconds
     assert [(s["version"], s["weights_ok"]) for s in pool.health_check()] == [(version, True)] * 2
     after = pool.generate(PROMPTS, greedy)
     assert [r.token_ids for r in after] != [r.token_ids for r in before]
@@ -200,9 +200,9 @@ def test_bad_checksum_drops_the_replica_from_the_push_and_leaves_it_stale(pool, 
     monkeypatch.setattr(ReplicaClient, "update_weights", corrupt_one)
     metrics, done = sync(pool, failed_model, v + 1, transport=transport)
     monkeypatch.undo()
-    assert list(metrics["failed"]) == [pool.urls[0]] and "checksum mismatch" in metrics["failed"][pool.urls[0]]
+    assert list(metrics.failed) == [pool.urls[0]] and "checksum mismatch" in metrics.failed[pool.urls[0]]
     assert sent["count"] == MID_LAYER_BUCKET + 1  # no bucket went to replica 0 after the failed one
-    assert metrics["replicas"] == 1 and metrics["carriers"] == [transport] and done == [1]
+    assert metrics.replicas == 1 and metrics.carriers == [transport] and done == [1]
     pool.held = failed_model  # the current version's weights, on replica 1
     assert [s["version"] for s in pool.health_check()] == [v, v + 1]
     assert [r.replica_id for r in pool.replicas_needing_weights(wait_s=0)] == [0]
@@ -210,7 +210,7 @@ def test_bad_checksum_drops_the_replica_from_the_push_and_leaves_it_stale(pool, 
     assert {r.replica_id for r in records} == {1}  # the stale replica serves nothing
 
     metrics, done = sync(pool, next_model, v + 2, transport=transport)
-    assert done == [0, 1] and not metrics["failed"]
+    assert done == [0, 1] and not metrics.failed
     pool.held = next_model
     records = sample_and_check(pool, next_model, v + 2, seed=1)
     assert {r.replica_id for r in records} == {0, 1}
@@ -232,8 +232,8 @@ def test_missing_segment_fails_loudly(pool, models, monkeypatch):
     monkeypatch.setattr(sync_mod, "iter_buckets", unlinked)
     metrics, done = sync(pool, target, v + 1, transport="shm")
     monkeypatch.undo()
-    assert done == [] and metrics["replicas"] == 0 and sorted(metrics["failed"]) == sorted(pool.urls)
-    for error in metrics["failed"].values():
+    assert done == [] and metrics.replicas == 0 and sorted(metrics.failed) == sorted(pool.urls)
+    for error in metrics.failed.values():
         assert "/dev/shm/mas-wsync-" in error and "not found" in error, error
     assert [r.replica_id for r in pool.replicas_needing_weights(wait_s=0)] == [0, 1]
     with pytest.raises(TimeoutError, match="prompts unfinished"):  # no replica is fresh: nothing is served
@@ -253,11 +253,11 @@ def test_incomplete_update_is_not_published_and_the_next_full_sync_works(pool, m
     target = other(models, pool.held)
     items = list(state_dict(target).items())
     metrics, done = sync(pool, None, v + 1, named=iter(items[: len(items) // 2]))
-    assert not metrics["failed"] and metrics["replicas"] == 2 and done == []
+    assert not metrics.failed and metrics.replicas == 2 and done == []
     assert [(s["version"], s["weights_ok"]) for s in pool.health_check()] == [(v, False)] * 2
     assert [r.replica_id for r in pool.replicas_needing_weights(wait_s=0)] == [0, 1]
     metrics, done = sync(pool, target, v + 1)
-    assert done == [0, 1] and not metrics["failed"]
+    assert done == [0, 1] and not metrics.failed
     pool.held = target
     sample_and_check(pool, target, v + 1)
 
@@ -271,7 +271,7 @@ def test_shm_and_http_carriers_give_identical_samples_and_logprobs(pool, models)
     results = {}
     for step, (model_dir, transport) in enumerate([(a, "shm"), (b, "http"), (a, "http")], start=1):
         metrics, done = sync(pool, model_dir, v + step, transport=transport)
-        assert done == [0, 1] and metrics["carriers"] == [transport]
+        assert done == [0, 1] and metrics.carriers == [transport]
         pool.held = model_dir
         records = pool.generate(PROMPTS, sampling)
         assert {r.policy_version for r in records} == {v + step}
@@ -309,7 +309,7 @@ def test_tied_embeddings_and_qwen2_biases_sync(variant, variants, tmp_path):
         assert max_logprob_diff(ckpt, before) < LOGPROB_TOL
         for version, (model_dir, transport) in enumerate([(target, "shm"), (ckpt, "http"), (target, "http")], start=1):
             metrics, done = sync(pool, model_dir, version, transport=transport)
-            assert done == [0] and not metrics["failed"], metrics
+            assert done == [0] and not metrics.failed, metrics
             records = pool.generate(PROMPTS, Sampling(n=2, max_tokens=12, seed=version))
             assert {r.policy_version for r in records} == {version}
             assert max_logprob_diff(model_dir, records) < LOGPROB_TOL, (variant, version, transport)

@@ -15,10 +15,12 @@ with a note in the JSON when that package is not installed). For each model:
 - reference: transformers `generate` (fp32, sampling, min_new_tokens = max_new_tokens, batch of
   all prompts x n) on the same prompts and counts, in this process after the pool has stopped,
   with `--hf-threads` torch threads; `ratio` = pool / transformers.
-- sync: one vLLM weight update of the model's full state dict (`begin_update`, `WeightSender.push`,
+- sync: one vLLM weight update of the model's full state dict (`begin_update`, `HostMemorySender.push`,
   `finish_update`) `syncs` times per transport in `--transports` (a new version each); seconds
   (the whole update, pause to resume) and GB/s (payload bytes to all replicas / those seconds)
-  per sync; the sender is created once per transport (the shm segment is reused).
+  per sync; the sender is created once per transport (the shm segment is reused). `gloo` (the
+  broadcast sender of weights/broadcast.py over gloo) needs replicas running `mas_gloo`: a second
+  pool of them is started after the first stops (its start-up is not reported).
 
 Numbers on a shared 2-core CPU are noisy: the JSON records the 1-minute load average before each
 measurement. Prompts are equal-length token sequences so transformers needs no padding.
@@ -26,6 +28,7 @@ measurement. Prompts are equal-length token sequences so transformers needs no p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -41,7 +44,11 @@ sys.path.insert(0, str(REPO))
 
 from megatron_async.models.tiny import build_tiny_llama, build_tokenizer, default_corpus  # noqa: E402
 from megatron_async.rollout import ReplicaPool, ReplicaSpec, Sampling  # noqa: E402
-from megatron_async.weights.sync import WeightSender  # noqa: E402
+from megatron_async.config import BROADCAST_TRANSPORTS  # noqa: E402
+from megatron_async.weights.broadcast import BroadcastSender, make_wire  # noqa: E402
+from megatron_async.weights.host_memory import HostMemorySender  # noqa: E402
+from megatron_async.weights.sender import WeightSender  # noqa: E402
+from megatron_async.weights.vllm_plugin import backend_for  # noqa: E402
 
 PROMPT_TOKENS = 16
 
@@ -95,6 +102,24 @@ def hf_generate(model_dir: Path, prompts: list[list[int]], n: int, max_tokens: i
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "load_avg": load, "threads": threads}
 
 
+def measure_syncs(pool: ReplicaPool, sender: WeightSender, transport: str, state: dict, args,
+                  first_version: int) -> list[dict]:
+    """`args.syncs` full weight updates of `state` through `sender`, one version each."""
+    syncs = []
+    for version in range(first_version, first_version + args.syncs):
+        load, t = os.getloadavg()[0], time.perf_counter()
+        opened = pool.begin_update(None, "between_batches", timeout_s=300)
+        m = sender.push(iter(state.items()), urls=[pool.urls[i] for i in opened])
+        published = pool.finish_update(version, opened)
+        seconds = time.perf_counter() - t
+        if m.failed or len(published) != args.replicas:
+            raise RuntimeError(f"sync {version} ({transport}): failed {m.failed}, published {published}")
+        syncs.append({"transport": transport, "load_avg": load, "seconds": seconds, "push_seconds": m.seconds,
+                      "gb_per_s": m.bytes_total / seconds / 1e9,
+                      **{k: getattr(m, k) for k in ("bytes", "bytes_total", "send_seconds", "buckets")}})
+    return syncs
+
+
 def bench_model(name: str, model_dir: Path, args) -> dict:
     from safetensors.torch import load_file
 
@@ -118,23 +143,24 @@ def bench_model(name: str, model_dir: Path, args) -> dict:
         result["pool"] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "load_avg": load,
                           "requests_per_replica": pool.stats()["requests_per_replica"]}
         syncs = []
-        for transport in args.transports:
-            with WeightSender(pool.urls, pool.key, timeout_s=300, bucket_bytes=args.bucket_mb << 20,
-                              transport=transport) as sender:
-                for _ in range(args.syncs):
-                    load, t = os.getloadavg()[0], time.perf_counter()
-                    opened = pool.begin_update(None, "between_batches", timeout_s=300)
-                    m = sender.push(iter(state.items()))
-                    published = pool.finish_update(len(syncs) + 1, opened)
-                    seconds = time.perf_counter() - t
-                    if m["failed"] or len(published) != args.replicas:
-                        raise RuntimeError(f"sync {len(syncs) + 1} ({transport}): failed {m['failed']}, published {published}")
-                    syncs.append({"transport": transport, "load_avg": load, "seconds": seconds, "push_seconds": m["seconds"],
-                                  "gb_per_s": m["bytes_total"] / seconds / 1e9,
-                                  **{k: m[k] for k in ("bytes", "bytes_total", "send_seconds", "buckets")}})
+        for transport in [t for t in args.transports if t not in BROADCAST_TRANSPORTS]:  # this pool's engine: mas_cpu
+            with HostMemorySender(pool.urls, pool.key, timeout_s=300, bucket_bytes=args.bucket_mb << 20,
+                                  transport=transport) as sender:
+                syncs += measure_syncs(pool, sender, transport, state, args, first_version=len(syncs) + 1)
         result["syncs"] = syncs
     finally:
         pool.stop()
+    if "gloo" in args.transports:  # replicas of the broadcast engine (mas_gloo): a pool of their own
+        gloo_spec = dataclasses.replace(spec, weight_backend=backend_for("gloo"))
+        pool = ReplicaPool(gloo_spec, args.replicas, log_dir=Path(args.work) / f"logs-{name}-gloo", start_timeout_s=600)
+        pool.start()
+        sender = BroadcastSender(pool.urls, pool.key, wire=make_wire("gloo"), replica_tp=1, timeout_s=300,
+                                 bucket_bytes=args.bucket_mb << 20)
+        try:
+            result["syncs"] += measure_syncs(pool, sender, "gloo", state, args, first_version=1)
+        finally:
+            sender.close()
+            pool.stop()
     result["transformers"] = hf_generate(model_dir, prompts, args.n, args.max_tokens, args.hf_threads)
     result["ratio_pool_over_transformers"] = result["pool"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
     return result
@@ -149,8 +175,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--syncs", type=int, default=3)
     p.add_argument("--bucket-mb", type=int, default=64)
-    p.add_argument("--transports", nargs="+", default=["auto"], choices=["auto", "shm", "http"],
-                   help="weight-sync transports to measure, --syncs pushes each (auto: shm for these local replicas)")
+    p.add_argument("--transports", nargs="+", default=["auto"], choices=["auto", "shm", "http", "gloo"],
+                   help="weight-sync transports to measure, --syncs pushes each (auto: shm for these local replicas; "
+                        "gloo: a second pool of replicas running the broadcast engine)")
     p.add_argument("--kv-mb", type=int, default=256)
     p.add_argument("--hf-threads", type=int, default=1,
                    help="torch threads for transformers (1 matches the replica's torch threads; more than the "

@@ -179,7 +179,7 @@ def vllm_phase(args) -> dict:
     import torch
 
     from megatron_async.rollout import ReplicaPool, ReplicaSpec, Sampling
-    from megatron_async.weights.sync import WeightSender
+    from megatron_async.weights.host_memory import HostMemorySender
 
     cuda = torch.cuda.is_available()
     model_dir = build_checkpoint(Path(args.out))
@@ -208,15 +208,15 @@ def vllm_phase(args) -> dict:
 
         weights = load_file(str(model_dir / "model.safetensors"))
         syncs = []
-        with WeightSender(pool.urls, pool.key, timeout_s=300, bucket_bytes=512 << 20) as sender:
+        with HostMemorySender(pool.urls, pool.key, timeout_s=300, bucket_bytes=512 << 20) as sender:
             for version in range(1, 4):
                 t = time.perf_counter()
                 opened = pool.begin_update(None, "between_batches", timeout_s=300)
                 m = sender.push(iter(weights.items()))
-                published = pool.finish_update(version, [i for i in opened if pool.urls[i] not in m["failed"]])
+                published = pool.finish_update(version, [i for i in opened if pool.urls[i] not in m.failed])
                 seconds = time.perf_counter() - t
-                syncs.append({"seconds": seconds, "gb_per_s": m["bytes_total"] / seconds / 1e9, "bytes": m["bytes"],
-                              "published": published, "failed": m["failed"]})
+                syncs.append({"seconds": seconds, "gb_per_s": m.bytes_total / seconds / 1e9, "bytes": m.bytes,
+                              "published": published, "failed": m.failed})
         out["sync"] = {"per_update": syncs, "seconds_mean": sum(s["seconds"] for s in syncs) / len(syncs)}
     _write(Path(args.out) / "vllm.json", out)
     return out

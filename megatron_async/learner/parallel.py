@@ -126,3 +126,11 @@ def destroy_parallel() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def from_rank0(obj, group: dist.ProcessGroup):
+    """Rank 0's `obj` on every rank of `group` (a gloo group: any picklable object, between our own
+    ranks only)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]

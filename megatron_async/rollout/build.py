@@ -11,9 +11,10 @@ from megatron_async.cluster.cpu_affinity import replica_pin_env
 from megatron_async.cluster.placement import replica_devices
 from megatron_async.config import Config
 from megatron_async.models.base_model import prepare_base_model
+from megatron_async.rollout.launcher import replica_environment
 from megatron_async.rollout.pool import ReplicaPool
 from megatron_async.rollout.replica import ReplicaSpec, server_command, server_env
-from megatron_async.weights.vllm_plugin import BACKEND
+from megatron_async.weights.vllm_plugin import backend_for
 
 
 def replica_spec(cfg: Config, model: Path) -> ReplicaSpec:
@@ -23,7 +24,7 @@ def replica_spec(cfg: Config, model: Path) -> ReplicaSpec:
                        max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens,
                        kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)), seed=cfg.run.seed,
                        prefix_caching=r.weight_update == "between_batches",
-                       weight_backend="nccl" if r.weight_transport == "nccl" else BACKEND)
+                       weight_backend=backend_for(r.weight_transport))
 
 
 def replica_urls(cfg: Config) -> list[str]:
@@ -63,7 +64,7 @@ def serve_replica(cfg: Config, index: int) -> int:
         print("megatron-async serve-replica: " + "; ".join(problems), file=sys.stderr)
         return 2
     spec = replica_spec(cfg, Path(prepare_base_model(cfg)).resolve())
-    env = {**os.environ, **server_env(spec, r.token)}
+    env = {**replica_environment(os.environ), **server_env(spec, r.token)}  # not the learner's tuning (gpu_env.sh)
     if devices := replica_devices(cfg):
         env["CUDA_VISIBLE_DEVICES"] = devices[index]
     cmd = server_command(spec, r.host, r.base_port + index, gpu=torch.cuda.is_available())

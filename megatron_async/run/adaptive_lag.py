@@ -40,3 +40,10 @@ class AdaptiveLag:
                            f"learner waited {learner_wait_s:.2f} s of a {step_s:.2f} s step for generation")
             return True
         return False
+
+    def state_dict(self) -> dict:
+        """What a resume needs: the lag in force (the target and cap come from the config)."""
+        return {"lag": self.lag}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.lag = state["lag"]

@@ -41,3 +41,10 @@ class AutoBalance:
                            f"K -> {self.k}")
             return True
         return False
+
+    def state_dict(self) -> dict:
+        """What a resume needs: T and K in force (their bounds come from the config)."""
+        return {"updates": self.updates, "k": self.k}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.updates, self.k = state["updates"], state["k"]

@@ -4,9 +4,11 @@
                                          optimizer, scheduler; manifest with sha256 of every file)
         value/                           PPO only: the value model's own learner checkpoint (model,
                                          optimizer, scheduler), covered by the outer manifest
-        rollout_state.json               the rollout buffer (generated, untrained batches), the
-                                         prompt iterator position after the last generated batch,
-                                         the policy version, metric history
+        rollout_state.json               rank 0's state: the step and policy version, the rollout
+                                         side's (`RolloutState.state_dict`: generated, untrained
+                                         batches, the prompt position after the last of them, the
+                                         lag and balance controllers) and the metric history
+                                         (`StepReport.state_dict`)
     <run dir>/checkpoints/latest         name of the newest complete checkpoint (atomic rewrite)
 
 A checkpoint taken after learner step s holds version s+1. Batches the producer had finished are
@@ -29,10 +31,10 @@ import torch.distributed as dist
 from megatron_async.config import Config
 from megatron_async.io_utils import atomic_write_text
 from megatron_async.learner.checkpoint import load_checkpoint, save_checkpoint
-from megatron_async.rollout.producer import batch_from_json, batch_to_json
 
 if TYPE_CHECKING:  # the states hold the checkpoint's contents; they never import this module's callers
     from megatron_async.run.learner_state import LearnerState
+    from megatron_async.run.report import StepReport
     from megatron_async.run.rollout_state import RolloutState
 
 log = logging.getLogger(__name__)
@@ -46,24 +48,19 @@ def checkpoint_root(cfg: Config) -> Path:
     return cfg.run_dir / "checkpoints"
 
 
-def save_run_checkpoint(cfg: Config, learner: LearnerState, rollout: RolloutState | None,
-                        ctrl: dist.ProcessGroup, next_step: int) -> Path:
-    """All ranks. Rank 0 (the one with `rollout`) contributes the rollout state; learner shards come
-    from every rank."""
+def save_run_checkpoint(cfg: Config, learner: LearnerState, ctrl: dist.ProcessGroup, next_step: int,
+                        rollout: RolloutState | None = None, report: StepReport | None = None) -> Path:
+    """All ranks; learner shards come from every rank. Rank 0 of `ctrl` writes rollout_state.json
+    with the state of `rollout` and `report` (rank 0's; None where a caller has none: null in the file)."""
     root = checkpoint_root(cfg)
     path = root / f"step_{next_step:06d}"
+    rank0 = dist.get_rank(ctrl) == 0
     files = {}
     tmpdir = None
-    if rollout is not None:
-        buffered = rollout.producer.buffered()
-        state = {
-            "next_step": next_step,
-            "version": learner.version,
-            "buffer": [batch_to_json(b) for b in buffered],
-            "data_state": buffered[-1].data_state if buffered else rollout.data_state,
-            "history": rollout.history,
-            "max_lag": rollout.producer.max_lag,  # the lag in force (rollout.max_lag: auto moves it)
-        }
+    if rank0:
+        state = {"next_step": next_step, "version": learner.version,
+                 "rollout": None if rollout is None else rollout.state_dict(),
+                 "report": None if report is None else report.state_dict()}
         tmpdir = Path(tempfile.mkdtemp(prefix="rollout-state-"))
         (tmpdir / ROLLOUT_STATE).write_text(json.dumps(state))
         files = {ROLLOUT_STATE: tmpdir / ROLLOUT_STATE}
@@ -74,7 +71,7 @@ def save_run_checkpoint(cfg: Config, learner: LearnerState, rollout: RolloutStat
     p = learner.policy
     save_checkpoint(path, p.chunks, p.optimizer, p.scheduler,
                     extra={"next_step": next_step, "version": learner.version}, files=files, parts=parts)
-    if rollout is not None:
+    if rank0:
         shutil.rmtree(tmpdir, ignore_errors=True)
         atomic_write_text(root / "latest", path.name)
         for old in sorted(root.glob("step_*"))[:-KEEP]:
@@ -92,8 +89,10 @@ def latest_checkpoint(cfg: Config) -> Path | None:
     return checkpoint_root(cfg) / marker.read_text().strip()
 
 
-def load_run_checkpoint(cfg: Config, learner: LearnerState, path: Path) -> dict:
-    """All ranks: restore learner state; returns the rollout state (meaningful on rank 0)."""
+def load_run_checkpoint(cfg: Config, learner: LearnerState, path: Path, rollout: RolloutState | None = None,
+                        report: StepReport | None = None) -> int:
+    """All ranks: restore the learner state, and rank 0's `rollout` and `report` where given (before
+    the producer starts). Returns the next learner step (= the policy version the checkpoint holds)."""
     p = learner.policy
     extra = load_checkpoint(path, p.chunks, p.optimizer, p.scheduler)
     if learner.value is not None:
@@ -105,6 +104,14 @@ def load_run_checkpoint(cfg: Config, learner: LearnerState, path: Path) -> dict:
     state = json.loads((path / ROLLOUT_STATE).read_text())
     if state["next_step"] != extra["next_step"]:
         raise ValueError(f"{path}: {ROLLOUT_STATE} is for step {state['next_step']}, the learner state for {extra['next_step']}")
-    state["buffer"] = [batch_from_json(b) for b in state["buffer"]]
-    log.info("resumed from %s: next step %d, %d buffered batches", path, state["next_step"], len(state["buffer"]))
-    return state
+    for part, target in (("rollout", rollout), ("report", report)):
+        if target is None:
+            continue
+        if state.get(part) is None:
+            raise ValueError(f"{path}: {ROLLOUT_STATE} holds no {part} state (saved by a run without one, or by "
+                             f"an older version of megatron_async): this run cannot resume from it")
+        target.load_state_dict(state[part])
+    if rollout is not None:
+        log.info("resumed from %s: next step %d, %d buffered batches", path, state["next_step"],
+                 len(state["rollout"]["buffer"]))
+    return state["next_step"]

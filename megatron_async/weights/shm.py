@@ -1,7 +1,7 @@
 """Shared-memory carrier for weight sync to replicas on the learner's host.
 
 The sender packs each bucket straight into a file in /dev/shm (`ShmSegment`, mode 0600, sized
-for a bucket and reused for the sender's life; WeightSender alternates two) and sends the replica
+for a bucket and reused for the sender's life; HostMemorySender alternates two) and sends the replica
 only its path, size and CRC32 in the `/update_weights` request; the replica's weight-transfer
 engine (weights/cpu_engine.py) maps the file read-only (`open_segment`) and copies the bucket's
 tensors out. The bytes never cross a socket.

@@ -15,7 +15,6 @@ version 0 generated, so from the second step on it is off-policy data for the le
 import argparse
 import json
 from pathlib import Path
-from types import SimpleNamespace
 import torch
 
 if __name__ == "__main__":
@@ -71,11 +70,9 @@ if __name__ == "__main__":
         history = [learner.step(batch, 0, updates) for _ in range(6)]
         after = compute_logprobs(learner.policy.chunks, mbs)[0]
         ctrl = torch.distributed.new_group(backend="gloo")
-        # rank 0 saves an empty rollout state beside the learner's (no producer, prompts or history here)
-        rollout = SimpleNamespace(producer=SimpleNamespace(buffered=list, max_lag=1), data_state={}, history=[])
-        path = save_run_checkpoint(cfg, learner, rollout if layout.rank == 0 else None, ctrl, next_step=6)
+        path = save_run_checkpoint(cfg, learner, ctrl, next_step=6)  # the learner's state only: no rollout side here
         resumed = new_learner()
-        load_run_checkpoint(cfg, resumed, path)
+        assert load_run_checkpoint(cfg, resumed, path) == 6
         continued_step, resumed_step = learner.step(batch, 6, updates), resumed.step(batch, 6, updates)
         if torch.distributed.get_rank() == 0:
             mask = mbs[0]["loss_mask"]

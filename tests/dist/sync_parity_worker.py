@@ -6,7 +6,7 @@ Rank 0 starts a one-replica ReplicaPool per model (as the trainer's driver rank 
 once, their ~30 s start-ups overlap) and broadcasts their URLs and keys. Then, for each layout TP=1 (x DP=2), TP=2 and PP=2, the
 learner is built from the HF checkpoint and runs ROUNDS rounds of: (from round 1 on) one Adam
 step, so the weights really change -> rank 0 opens a vLLM weight update (`pool.begin_update`), every
-stage's source rank pushes `iter_hf_weights` with a WeightSender, over shared memory in rounds 0
+stage's source rank pushes `iter_hf_weights` with a HostMemorySender, over shared memory in rounds 0
 and 2 and inline over HTTP in round 1 (the other ranks iterate along for the gathers), rank 0
 publishes the version (`pool.finish_update`) -> rank 0 samples from vLLM ->
 every rank computes the learner's logprobs of the sampled tokens. Rank 0 writes OUT/parity.json:
@@ -48,14 +48,14 @@ def run_layout(model_dir: Path, tp: int, pp: int, pool, urls, key, first_version
     from megatron_async.learner.parallel import init_parallel
     from megatron_async.rollout import Sampling
     from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
-    from megatron_async.weights.sync import WeightSender
+    from megatron_async.weights.host_memory import HostMemorySender
 
     init_parallel(tp, pp)
     chunks = build_model(model_dir)
     load_hf_weights(chunks, model_dir)
     ddp, opt, sched = build_optimizer(chunks, OptimSettings(lr=1e-2, clip_grad=1.0))
     source = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-    senders = {t: WeightSender(urls, key, timeout_s=60, bucket_bytes=256 << 10, transport=t)
+    senders = {t: HostMemorySender(urls, key, timeout_s=60, bucket_bytes=256 << 10, transport=t)
                for t in set(TRANSPORTS)} if source else {}
     vocab = chunks[0].arch.vocab_size
     g = torch.Generator().manual_seed(first_version)
@@ -71,11 +71,11 @@ def run_layout(model_dir: Path, tp: int, pp: int, pool, urls, key, first_version
         if source:
             sync = senders[TRANSPORTS[rnd]].push(named)
         else:
-            sync = {}
+            sync = None
             for _ in named:  # no-op loop on non-source ranks; they take part in the TP gathers
                 pass
         failed = [None] * dist.get_world_size()
-        dist.all_gather_object(failed, sorted(sync.get("failed", {})))
+        dist.all_gather_object(failed, sorted(sync.failed if sync is not None else {}))
         payload, published = [None], [0]
         if dist.get_rank() == 0:
             complete = opened[0] if not any(failed) else []

@@ -1,13 +1,11 @@
-"""Weight sync: one learner pipeline stage -> every replica, as buckets of vLLM's `/update_weights`.
+"""The host-memory weight sender: one learner pipeline stage -> every replica's `mas_cpu` engine.
 
-A sync is one vLLM weight update (weight-transfer API: start / update* / finish). Learner rank 0
-opens and closes it on every replica (`ReplicaPool.begin_update` / `finish_update`: pause,
-`/start_weight_update` ... `/finish_weight_update` with the version, resume); in between, the
-sender rank of each pipeline stage (its TP rank 0, after the TP gather and the one HF mapping)
-streams its own tensors:
+A sync is one vLLM weight update (weight-transfer API: start / update* / finish; weights/update.py
+runs the phases); in between, the sender rank of each pipeline stage (its TP rank 0, after the TP
+gather and the one HF mapping) streams its own tensors (the interface: weights/sender.py):
 
-    sender = WeightSender(pool.urls, pool.key, timeout_s=..., bucket_bytes=..., transport="auto")  # once per run
-    metrics = sender.push(iter_hf_weights(...), urls=opened)      # each sync, into the replicas that opened it
+    sender = HostMemorySender(pool.urls, pool.key, timeout_s=..., bucket_bytes=..., transport="auto")  # once per run
+    result = sender.push(iter_hf_weights(...), urls=opened)      # each sync, into the replicas that opened it
 
 Bucketing and naming are the same for every carrier (buckets.group_by_cap over HF names); the
 carrier is how a bucket's bytes reach the replica's `mas_cpu` engine (weights/cpu_engine.py),
@@ -16,8 +14,8 @@ carrier is how a bucket's bytes reach the replica's `mas_cpu` engine (weights/cp
   only its path, size and CRC32. `auto` picks it for a replica at a loopback address (unless
   /dev/shm cannot hold two buckets).
 - http: the payload base64-encoded in the request's JSON body (replicas on other hosts).
-Both work for GPU replicas too. `nccl` (vLLM's own NCCL backend, GPU to GPU) is another sender:
-weights/nccl_sender.py.
+Both work for GPU replicas too. `nccl` (vLLM's own NCCL backend, GPU to GPU) and `gloo` are the
+other sender: weights/broadcast.py.
 
 The sender lives as long as the run: its shared-memory segments are reserved once (64 MB each
 by default: reserving them costs ~0.1 s), not per sync.
@@ -27,7 +25,7 @@ replicas load bucket k, the sender packs bucket k+1 (into the other shm segment)
 once every replica answered k. The sender holds at most two buckets' bytes.
 
 Failure: every request is bounded by `timeout_s`. A replica that fails a bucket is dropped from
-the rest of this push and reported in `metrics["failed"]`; rank 0 does not publish the version
+the rest of this push and reported in `PushResult.failed`; rank 0 does not publish the version
 on it, so it stays out of dispatch until a later full push (the pool restarts it if it died).
 The sender always drains `named_tensors`: the stage's other ranks take part in the gathers
 behind that iterator, and stopping early would leave them blocked in a collective.
@@ -43,17 +41,14 @@ from urllib.parse import urlparse
 
 import torch
 
-from megatron_async.config import LOOPBACK_HOSTS, WeightTransport
+from megatron_async.config import BROADCAST_TRANSPORTS, LOOPBACK_HOSTS, WeightTransport
 from megatron_async.rollout.replica import ReplicaClient, ReplicaError
 from megatron_async.weights.buckets import iter_buckets
+from megatron_async.weights.sender import PushResult
 from megatron_async.weights.shm import HEADER_SLACK, ShmSegment
 from megatron_async.weights.shm import free_bytes as shm_free_bytes
 
 log = logging.getLogger(__name__)
-
-
-class WeightSyncError(RuntimeError):
-    """A weight sync to a replica failed or timed out."""
 
 
 def carrier_for(transport: str, url: str) -> str:
@@ -66,20 +61,20 @@ def carrier_for(transport: str, url: str) -> str:
     if transport == "shm" and host not in LOOPBACK_HOSTS:
         raise ValueError(f"rollout.weight_transport=shm needs replicas on this host; replica at {url} is not "
                          f"loopback (use auto or http)")
-    if transport == "nccl":
-        raise ValueError("rollout.weight_transport=nccl is weights/nccl_sender.NcclSender's, not this sender's")
+    if transport in BROADCAST_TRANSPORTS:
+        raise ValueError(f"rollout.weight_transport={transport} is weights/broadcast.BroadcastSender's, not this sender's")
     return transport
 
 
-class WeightSender:
+class HostMemorySender:
     """Streams one pipeline stage's HF-named tensors into every replica's open weight update."""
 
     def __init__(self, urls: Sequence[str], key: str, *, timeout_s: float = 120.0, bucket_bytes: int = 64 << 20,
                  transport: str = "auto"):
         if not urls:
-            raise ValueError("WeightSender needs at least one replica URL")
+            raise ValueError("HostMemorySender needs at least one replica URL")
         if not key:
-            raise ValueError("WeightSender needs the replicas' key")
+            raise ValueError("HostMemorySender needs the replicas' key")
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self._clients = {u: ReplicaClient(u, key, timeout_s=timeout_s) for u in urls}
         self._carrier = {c: carrier_for(transport, c.url) for c in self._clients.values()}
@@ -92,15 +87,8 @@ class WeightSender:
         self._segments = [ShmSegment(bucket_bytes), ShmSegment(bucket_bytes)] if "shm" in self.carriers else []
         self._pool = ThreadPoolExecutor(max_workers=len(self._clients), thread_name_prefix="weight-sync")
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], urls: Sequence[str] | None = None) -> dict:
-        """Send this stage's tensors into the open update of the replicas at `urls` (None: all);
-        returns metrics.
-
-        Metrics: bytes (one copy of this stage's payload), bytes_total (all replicas reached),
-        seconds (wall, including producing the tensors), send_seconds (waiting for the replicas),
-        gb_per_s (bytes_total / seconds), buckets, replicas (reached to the end), failed
-        ({url: error}), carriers.
-        """
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], urls: Sequence[str] | None = None) -> PushResult:
+        """Send this stage's tensors into the open update of the replicas at `urls` (None: all)."""
         t0 = time.perf_counter()
         live = list(self._clients.values()) if urls is None else [self._clients[u] for u in urls]
         failed: dict[str, str] = {}
@@ -126,12 +114,8 @@ class WeightSender:
             num_buckets += 1
             nbytes += size
         collect()
-        seconds = time.perf_counter() - t0
-        return {
-            "bytes": nbytes, "bytes_total": nbytes * len(live), "seconds": seconds, "send_seconds": send_s,
-            "gb_per_s": nbytes * len(live) / seconds / 1e9 if seconds > 0 else 0.0, "buckets": num_buckets,
-            "replicas": len(live), "failed": failed, "carriers": self.carriers,
-        }
+        return PushResult(bytes=nbytes, replicas=len(live), buckets=num_buckets, seconds=time.perf_counter() - t0,
+                          send_seconds=send_s, failed=failed, carriers=self.carriers)
 
     def _buckets(self, tensors: Iterable[tuple[str, torch.Tensor]]):
         """Per bucket: ({carrier: update_info}, payload bytes)."""
@@ -152,8 +136,7 @@ class WeightSender:
             yield info, size
 
     def forget(self, urls: Iterable[str]) -> None:
-        """Nothing is kept per replica between syncs (no connection, no group): nothing to drop
-        for a replica that restarted (the same call as NcclSender.forget)."""
+        """Nothing is kept per replica between syncs (no connection, no group): nothing to drop."""
 
     def close(self) -> None:
         for c in self._clients.values():
@@ -162,7 +145,7 @@ class WeightSender:
             segment.close()
         self._pool.shutdown(wait=False)
 
-    def __enter__(self) -> "WeightSender":
+    def __enter__(self) -> "HostMemorySender":
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,0 +1,124 @@
+"""What a run shows, on rank 0: each learner step's metrics and the end-of-run report.
+
+    report = StepReport(cfg, tracker)
+    report.record(step, batch, metrics)     # per step: history, tracker, the console line
+    report.finish(before, after, n_eval, checkpoint)   # plot, history.json, the summary
+
+`history` (one dict of metrics per trained step, in step order) is the run's record for the plot
+and `bench`; it is saved with every run checkpoint (`state_dict`), so a resumed run's history.json
+and plot cover every step, not only those after the resume.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from megatron_async.config import Config
+from megatron_async.io_utils import atomic_write_text
+from megatron_async.observability.logs import log_file
+from megatron_async.observability.plots import plot_training
+from megatron_async.observability.tracking import MlflowTracker, NullTracker
+from megatron_async.rollout.producer import RolloutBatch
+from megatron_async.run.evaluate import EVAL_METRIC
+
+log = logging.getLogger(__name__)
+
+
+def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """The metrics a generated batch carries by itself: its size, rewards and generation speed."""
+    flat = [x for rs in batch.rewards for x in rs if x is not None]
+    mean = sum(flat) / max(1, len(flat))
+    std = (sum((x - mean) ** 2 for x in flat) / max(1, len(flat))) ** 0.5
+    n_tokens = sum(len(c.token_ids) for cs in batch.completions for c in cs)
+    return {"rollout/prompts": float(len(batch.completions)),
+            "rollout/samples": float(sum(len(cs) for cs in batch.completions)),
+            "reward/mean": mean, "reward/std": std, "reward/errors": float(batch.reward_errors),
+            "reward/timeouts": float(batch.reward_timeouts), "balance/k": float(batch.k),
+            "rollout/tokens_per_s": n_tokens / max(batch.gen_seconds, 1e-9),
+            # rollout.weight_update=during_generation: completions whose tokens span versions
+            "rollout/multi_version_samples": float(sum(c.policy_version_max > c.policy_version
+                                                       for cs in batch.completions for c in cs))}
+
+
+@dataclass
+class StepReport:
+    """Rank 0's record of the run's steps (`history`) and its end-of-run outputs."""
+
+    cfg: Config
+    tracker: NullTracker | MlflowTracker
+    history: list[dict] = field(default_factory=list)  # per trained step: {"step": s, **metrics}
+
+    def record(self, step: int, batch: RolloutBatch, metrics: dict[str, float]) -> None:
+        """Learner step `step` on `batch`: adds the batch's own metrics and the learner's token rate
+        to `metrics` (the learner's, timing/*, and the rollout side's), then history, tracker, console."""
+        metrics.update(batch_metrics(batch))
+        # the learner's: every DP rank's tokens (all ranks train at once) over the step's train time
+        metrics["train/tokens_per_s"] = metrics.get("train/tokens", 0.0) / max(metrics["timing/train_s"], 1e-9)
+        self.history.append({"step": step, **metrics})
+        self.tracker.log_metrics(metrics, step=step)
+        left = self.cfg.trainer.steps - step - 1  # the estimate: this step's wall time for each step left
+        log.info("step %d/%d | reward %.3f | loss %.4f | kl %.3f | lag %.1f | gen %.1fs train %.1fs sync %.2fs "
+                 "idle %.1fs | eta %.1f min", step + 1, self.cfg.trainer.steps, metrics["reward/mean"],
+                 metrics.get("train/loss", float("nan")), metrics.get("kl/ref", float("nan")),
+                 metrics["rollout/lag_mean"], batch.gen_seconds, metrics["timing/train_s"],
+                 metrics["timing/sync_s"], metrics["timing/learner_idle_s"],
+                 left * metrics["timing/step_wall_s"] / 60)
+
+    def state_dict(self) -> dict:
+        return {"history": self.history}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history = list(state["history"])
+
+    def finish(self, before: float | None, after: float | None, n_eval: int, checkpoint: Path | None) -> None:
+        """The training plot, history.json (read by `bench`) and the summary on the terminal."""
+        run_dir, cfg = self.cfg.run_dir, self.cfg
+        png = plot_training(self.history, run_dir / "training.png",
+                            title=f"{cfg.run.name}: {cfg.trainer.algorithm}, max_lag={cfg.rollout.max_lag}")
+        self.tracker.log_artifact(png)
+        self.tracker.log_artifact(run_dir / "config.yaml")
+        atomic_write_text(run_dir / "history.json", json.dumps(self.history, indent=0))
+        print(run_summary(cfg, n_eval, before, after, wall_s=_process_seconds(), png=png,
+                          checkpoint=checkpoint, tracker=self.tracker, log_path=log_file()), flush=True)
+
+
+def _process_seconds() -> float | None:
+    """Wall time of this process so far (the run's, for a run that was not resumed)."""
+    try:
+        return time.time() - psutil.Process().create_time()
+    except Exception:  # the process table unreadable (psutil.Error): no wall time in the summary
+        return None
+
+
+def run_summary(cfg: Config, n_eval: int, before: float | None, after: float | None, wall_s: float | None,
+                png: Path | None, checkpoint: Path | None, tracker, log_path: Path | None) -> str:
+    """The end-of-run summary printed on the terminal: the held-out metric before -> after, wall
+    time, and where the outputs are (checkpoint, HF export, plot, per-problem verdicts, MLflow run
+    with the command that opens its UI, log file)."""
+    run_dir, metric = cfg.run_dir, EVAL_METRIC[cfg.reward.kind]
+    lines = [f"== {cfg.run.name}: {cfg.trainer.algorithm}, {cfg.trainer.steps} steps, max_lag={cfg.rollout.max_lag}"]
+    if before is not None and after is not None:
+        lines.append(f"{metric} on {n_eval} held-out problems: before {before:.3f} -> after {after:.3f} "
+                     f"({after - before:+.3f}; per problem: {run_dir / 'eval_before.json'}, eval_after.json)")
+    elif after is not None:
+        lines.append(f"{metric} on {n_eval} held-out problems after training: {after:.3f} ({run_dir / 'eval_after.json'})")
+    if wall_s is not None:
+        lines.append(f"wall time: {wall_s / 60:.1f} min")
+    if checkpoint is not None:
+        lines.append(f"checkpoint: {checkpoint} (resume: megatron-async train ... --resume)")
+    lines.append(f"final model (HF): {run_dir / 'hf_final'}")
+    if png is not None:
+        lines.append(f"plot: {png}; metrics by step: {run_dir / 'history.json'}")
+    uri, run_id = getattr(tracker, "uri", None), getattr(tracker, "run_id", None)
+    if uri and run_id:
+        lines.append(f"MLflow run {run_id} in {uri}")
+        if uri.startswith("sqlite:"):
+            lines.append(f"  open it: mlflow ui --backend-store-uri {uri}")
+    if log_path is not None:
+        lines.append(f"log (library warnings, megatron config): {log_path}")
+    return "\n".join(lines)

@@ -1,0 +1,278 @@
+"""The broadcast weight sender: vLLM's NCCL weight-transfer protocol, on NCCL (GPU) or gloo (any host).
+
+    sender = BroadcastSender(pool.urls, pool.key, wire=make_wire("gloo"), replica_tp=1, timeout_s=120, bucket_bytes=...)
+    result = sender.push(iter_hf_weights(...), urls=opened)      # between begin_update and finish_update
+
+`rollout.weight_transport: nccl | gloo`. The replicas run vLLM's dense NCCL engine
+(vllm/distributed/weight_transfer/nccl_engine.py) as `mas_nccl`, or the same engine with a gloo
+communicator as `mas_gloo` (weights/broadcast_engine.py). Per replica there is one group: this
+sender is rank 0, the replica's workers ranks 1..W-1 (vLLM's `rank_offset` 1; W - 1 is the
+replica's TP x PP, asked of the server, `/get_world_size`, and refused unless it equals
+rollout.replica_tp). We drive it as vLLM's trainer-side engine (`NCCLTrainerWeightTransferEngine`)
+does, keeping the pool's phases (`ReplicaPool.begin_update` / `finish_update`, run by
+weights/update.py):
+- one `/update_weights` per bucket (its names, dtypes, shapes), sent while the bucket's tensors
+  are broadcast one by one (vLLM's unpacked mode); the worker loads each through layerwise
+  reload as it arrives, and the sender holds one bucket at a time;
+- the groups persist: formed at a replica's first push (`/init_weight_transfer_engine` while
+  this process opens its end, a TCP store rendezvous at `address:port`), formed again only for a
+  replica whose push failed or that restarted (`forget`; the replica's engine replaces its old
+  group when the new one forms).
+
+Only the communicator differs between the wires (`Wire`: NcclWire = vLLM's PyNccl, GlooWire =
+weights/gloo.py): group formation, the rank layout, the bucket protocol, re-forming, timeouts and
+failure handling are this module's code for both. CI runs it over gloo against real vLLM CPU
+replicas; the CUDA communicator alone runs on GPUs only.
+
+Every wait is bounded by `timeout_s`:
+- forming a group: the replica's init call and this end's rendezvous are awaited together, so a
+  replica that refuses init fails at once, not at the store's timeout;
+- a bucket: the broadcasts to every replica are enqueued (NCCL: on the learner's current stream;
+  gloo: asynchronous work), then each replica's completion and its `/update_weights` answer are
+  polled until the deadline. A replica whose call fails, or that misses the deadline, has its
+  group aborted (ncclCommAbort ends a broadcast kernel waiting for a dead peer) and is dropped
+  from the push (`PushResult.failed`).
+
+Limits, by design of vLLM's engine: one sender per replica group, so the learner runs PP=1 with
+this transport (config.validate refuses PP>1; the TP gather happens before the sender). Replicas
+are served one after the other on one stream (one group each): sync time grows with replicas.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from typing import Callable, Iterable, Protocol, Sequence
+from urllib.parse import urlparse
+
+import torch
+
+from megatron_async.config import LOOPBACK_HOSTS
+from megatron_async.rollout.launcher import free_port
+from megatron_async.rollout.replica import ReplicaClient
+from megatron_async.weights.buckets import group_by_cap
+from megatron_async.weights.sender import PushResult, WeightSyncError
+
+
+class Channel(Protocol):
+    """The sender's end (rank 0) of one replica's group."""
+
+    def send(self, tensors: Sequence[torch.Tensor]) -> Callable[[], bool]:
+        """Enqueue the broadcast of `tensors` in order; the returned poll is True once they were
+        sent and raises if the group failed."""
+
+    def destroy(self) -> None:
+        """End the group now, without blocking, even with a broadcast in flight."""
+
+
+class Wire(Protocol):
+    transport: str  # rollout.weight_transport
+
+    def open(self, address: str, port: int, world_size: int, timeout_s: float) -> Channel:
+        """Host the rendezvous of a `world_size`-rank group at address:port as rank 0; returns once
+        every rank joined (or raises after `timeout_s`)."""
+
+
+class NcclWire:
+    """vLLM's PyNccl communicator on the learner's CUDA device."""
+
+    transport = "nccl"
+
+    def __init__(self):
+        # the group opens on a side thread (see BroadcastSender._connect): its device is read here,
+        # on the learner's thread; vLLM's warm-up then sets a stream of its own on that side thread
+        # only, and the learner's thread keeps its current stream
+        self.device = torch.cuda.current_device()
+
+    def open(self, address: str, port: int, world_size: int, timeout_s: float) -> "NcclChannel":
+        # vLLM's nccl_common.stateless_init_process_group, with the store's timeout bounded by ours
+        # (its default, 300 s, is what an early failure of the replica's init would cost)
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+        from vllm.utils.nccl import unpinned_nccl_env
+
+        store = StatelessProcessGroup.create(host=address, port=port, rank=0, world_size=world_size,
+                                             store_timeout=int(timeout_s))
+        with unpinned_nccl_env():
+            return NcclChannel(PyNcclCommunicator(store, device=self.device))
+
+
+class NcclChannel:
+    def __init__(self, communicator):
+        self.communicator = communicator
+
+    def send(self, tensors: Sequence[torch.Tensor]) -> Callable[[], bool]:
+        stream = torch.cuda.current_stream()
+        for tensor in tensors:
+            self.communicator.broadcast(tensor, src=0, stream=stream)
+        sent = torch.cuda.Event()
+        sent.record(stream)
+        return sent.query
+
+    def destroy(self) -> None:
+        self.communicator.destroy()  # ncclCommAbort, in a daemon thread joined for at most 5 s
+
+
+class GlooWire:
+    """weights/gloo.py: vLLM's stateless gloo group (CPU tensors; CUDA ones staged through host memory)."""
+
+    transport = "gloo"
+
+    def open(self, address: str, port: int, world_size: int, timeout_s: float):
+        from megatron_async.weights.gloo import GlooCommunicator  # imports vLLM: see _vllm_init_info
+
+        return GlooCommunicator.join(address, port, 0, world_size, timeout_s)
+
+
+def make_wire(transport: str) -> Wire:
+    wires = {"nccl": NcclWire, "gloo": GlooWire}
+    if transport not in wires:
+        raise ValueError(f"rollout.weight_transport={transport!r}: the broadcast sender takes {' or '.join(wires)}")
+    return wires[transport]()
+
+
+def update_info(bucket: Sequence[tuple[str, torch.Tensor]]) -> dict:
+    """vLLM's `NCCLWeightTransferUpdateInfo` of one bucket, as the JSON `/update_weights` takes."""
+    return {"names": [name for name, _ in bucket],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket]}
+
+
+def address_towards(url: str) -> str:
+    """The address of this host on the route to `url`'s host: where that replica can reach a
+    rendezvous here (127.0.0.1 for a loopback replica). Not the host name, which may resolve to
+    127.0.1.1 or to another interface."""
+    parsed = urlparse(url)
+    if parsed.hostname in LOOPBACK_HOSTS:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((parsed.hostname, parsed.port or 80))  # UDP: picks the route, sends nothing
+        return probe.getsockname()[0]
+
+
+def _vllm_init_info(address: str, port: int, world_size: int) -> dict:
+    """The `/init_weight_transfer_engine` payload of vLLM's NCCL engine family (unpacked mode)."""
+    # NOTE: vLLM is imported here, not at the top: only the sender of a broadcast transport needs
+    # it, and importing it costs seconds (and CUDA probing) on every learner rank
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
+
+    return worker_init_payload(NCCLWeightTransferInitInfo(master_address=address, master_port=port, rank_offset=1,
+                                                          world_size=world_size, packed=False))
+
+
+class BroadcastSender:
+    """The learner's sender rank's groups with the replicas, and the bucket stream over them."""
+
+    def __init__(self, urls: Sequence[str], key: str, *, wire: Wire, replica_tp: int, timeout_s: float,
+                 bucket_bytes: int, address: str = "", base_port: int = 0):
+        self.wire, self.replica_tp = wire, replica_tp
+        self.timeout_s, self.bucket_bytes, self.base_port = timeout_s, bucket_bytes, base_port
+        self._index = {u: i for i, u in enumerate(urls)}
+        self._address = {u: address or address_towards(u) for u in urls}
+        self._clients = {u: ReplicaClient(u, key, timeout_s=timeout_s, label=f"replica {i}") for i, u in enumerate(urls)}
+        self._channels: dict[str, Channel] = {}  # url -> this end of its group, formed by `_connect`
+        # per replica: its /update_weights call, or its init call beside this end's rendezvous
+        self._pool = ThreadPoolExecutor(max_workers=2 * len(urls), thread_name_prefix=f"{wire.transport}-sync")
+
+    def forget(self, urls: Iterable[str]) -> None:
+        for url in urls:
+            if (channel := self._channels.pop(url, None)) is not None:
+                channel.destroy()
+
+    def _connect(self, url: str) -> Channel:
+        """Form `url`'s group: its init call and this end's rendezvous, awaited together."""
+        i, client = self._index[url], self._clients[url]
+        workers = client.world_size()
+        if workers != self.replica_tp:
+            raise WeightSyncError(
+                f"replica {i} at {url} has {workers} worker(s) in its weight-transfer group (its TP x PP) but "
+                f"rollout.replica_tp={self.replica_tp}: start it with --tensor-parallel-size {self.replica_tp} or set "
+                f"rollout.replica_tp={workers}")
+        address = self._address[url]
+        port = self.base_port + i if self.base_port else free_port(address)
+        joined = self._pool.submit(client.init_weight_transfer, _vllm_init_info(address, port, 1 + workers))
+        opened = self._pool.submit(self.wire.open, address, port, 1 + workers, self.timeout_s)
+        wait([joined, opened], timeout=self.timeout_s, return_when=FIRST_EXCEPTION)
+        for step in (joined, opened):  # the replica's refusal first: it says why
+            if step.done() and step.exception() is not None:
+                _destroy_when_open(opened)
+                raise step.exception()
+        if not opened.done() or not joined.done():
+            _destroy_when_open(opened)
+            raise TimeoutError(f"replica {i}: its {self.wire.transport} group did not form within {self.timeout_s:.0f} s")
+        return opened.result()
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], urls: Sequence[str] | None = None) -> PushResult:
+        """Stream the tensors into the open update of each replica in `urls` (None: all)."""
+        t0 = time.perf_counter()
+        failed: dict[str, str] = {}
+        live = []
+        for url in list(self._clients) if urls is None else urls:
+            try:
+                if url not in self._channels:
+                    self._channels[url] = self._connect(url)
+                live.append(url)
+            except WeightSyncError:
+                raise
+            except Exception as e:  # noqa: BLE001 - reported; the replica is left out of this push
+                failed[url] = f"forming its {self.wire.transport} group: {e!r}"
+        num_buckets = nbytes = 0
+        send_s = 0.0
+        for bucket in group_by_cap(named_tensors, self.bucket_bytes):  # drained even with no replica left
+            num_buckets += 1
+            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            if not live:
+                continue
+            t = time.perf_counter()
+            for url, reason in self._send_bucket(bucket, live).items():
+                failed[url] = reason
+                live.remove(url)
+                self.forget([url])
+            send_s += time.perf_counter() - t
+        return PushResult(bytes=nbytes, replicas=len(live), buckets=num_buckets, seconds=time.perf_counter() - t0,
+                          send_seconds=send_s, failed=failed, carriers=[self.wire.transport])
+
+    def _send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]], urls: Sequence[str]) -> dict[str, str]:
+        """One bucket into every replica of `urls` -> {url: why it failed} for those it did not reach."""
+        info = update_info(bucket)
+        tensors = [t.contiguous() for _, t in bucket]  # kept referenced until every replica has them
+        receiving = {u: self._pool.submit(self._clients[u].update_weights, info) for u in urls}
+        sending: dict[str, Callable[[], bool]] = {}
+        for url in urls:
+            if not (receiving[url].done() and receiving[url].exception()):  # refused before any broadcast
+                sending[url] = self._channels[url].send(tensors)
+        failed: dict[str, str] = {}
+        pending = set(urls)
+        deadline = time.monotonic() + self.timeout_s
+        while pending:
+            if answering := [receiving[u] for u in pending if not receiving[u].done()]:
+                wait(answering, timeout=0.01, return_when=FIRST_COMPLETED)
+            else:  # every call answered; the last broadcasts are finishing
+                time.sleep(0.001)
+            for url in list(pending):
+                try:
+                    if receiving[url].done():
+                        receiving[url].result()  # the replica's error, if it failed
+                        if sending[url]():  # answered and every tensor sent: done
+                            pending.discard(url)
+                    else:
+                        sending[url]()  # a broken group fails here, before the call times out
+                except Exception as e:  # noqa: BLE001 - the replica is dropped from this push
+                    failed[url] = str(e) or repr(e)
+                    pending.discard(url)
+            if pending and time.monotonic() > deadline:
+                failed.update({u: f"bucket not received within {self.timeout_s:.0f} s" for u in pending})
+                break
+        return failed
+
+    def close(self) -> None:
+        self.forget(list(self._channels))
+        for client in self._clients.values():
+            client.close()
+        self._pool.shutdown(wait=False)
+
+
+def _destroy_when_open(opened: Future) -> None:
+    """A group whose rendezvous is still running (or done) after the sender gave up on it: ended
+    once it forms, so that neither end keeps it."""
+    opened.add_done_callback(lambda f: f.result().destroy() if f.exception() is None else None)

@@ -1,0 +1,114 @@
+"""One weight update, end to end: `WeightUpdate.push`, called by every learner rank.
+
+    weights = WeightUpdate.build(cfg, layout, ctrl, pool, urls, key)   # once per run
+    result = weights.push(version, learner.hf_weights())             # each sync (or a re-sync of some replicas)
+
+Phases (vLLM's weight-transfer API), and who runs them:
+1. rank 0 opens the update on each target replica (`ReplicaPool.begin_update`: pause,
+   `/start_weight_update`) and tells every rank which ones opened;
+2. the sender of each pipeline stage (its TP rank 0 of DP rank 0) streams the stage's HF tensors
+   into them (weights/sender.py's interface: the host-memory or the broadcast sender, chosen by
+   `rollout.weight_transport`); the stage's other ranks only take part in the TP gathers behind
+   `named_tensors`;
+3. every rank reports the replicas its stage could not reach; rank 0 publishes the version on
+   those every stage reached (`ReplicaPool.finish_update`: verify, `/finish_weight_update`,
+   resume) and closes the update without a version on the others;
+4. the verdict: a replica left out is not fresh (its pool restarts it if it died, and the loop
+   re-syncs it before it takes work). The run stops (`WeightSyncError`, on every rank) only when
+   an update reached no replica while some target is up and refusing it (retrying would loop), or
+   when a replica is configured unlike the run.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_async.config import BROADCAST_TRANSPORTS, Config
+from megatron_async.learner.parallel import ParallelLayout, from_rank0
+from megatron_async.rollout.pool import ReplicaPool, UpdateMode
+from megatron_async.weights.broadcast import BroadcastSender, make_wire
+from megatron_async.weights.host_memory import HostMemorySender
+from megatron_async.weights.sender import PushResult, WeightSender, WeightSyncError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WeightUpdate:
+    ctrl: dist.ProcessGroup  # gloo group of every learner rank
+    urls: list[str]  # the replicas, by id
+    mode: UpdateMode  # rollout.weight_update
+    timeout_s: float  # rollout.sync_timeout_s: opening the update (waiting for a running generate)
+    stage: int  # this rank's pipeline stage
+    pool: ReplicaPool | None = None  # rank 0 only
+    sender: WeightSender | None = None  # the stage's sender rank only
+
+    @classmethod
+    def build(cls, cfg: Config, layout: ParallelLayout, ctrl: dist.ProcessGroup, pool: ReplicaPool | None,
+              urls: list[str], key: str) -> "WeightUpdate":
+        r = cfg.rollout
+        sender: WeightSender | None = None
+        if layout.tp_rank == 0 and layout.dp_rank == 0:
+            if r.weight_transport in BROADCAST_TRANSPORTS:  # PP=1 (config.validate): that is rank 0
+                sender = BroadcastSender(urls, key, wire=make_wire(r.weight_transport), replica_tp=r.replica_tp,
+                                         timeout_s=r.sync_timeout_s, bucket_bytes=r.sync_bucket_mb << 20,
+                                         address=r.rendezvous_address, base_port=r.rendezvous_port)
+            else:
+                sender = HostMemorySender(urls, key, timeout_s=r.sync_timeout_s, bucket_bytes=r.sync_bucket_mb << 20,
+                                          transport=r.weight_transport)
+        return cls(ctrl, urls, r.weight_update, r.sync_timeout_s, layout.pp_rank, pool, sender)
+
+    def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
+             replica_ids: Sequence[int] | None = None) -> PushResult:
+        """All ranks: update the replicas (all, or `replica_ids`) to `version`; this stage's result
+        (an empty one on ranks that only take part in the TP gathers)."""
+        opened = from_rank0(self.pool.begin_update(replica_ids, self.mode, self.timeout_s) if self.pool else None,
+                            self.ctrl)
+        result, refused = self._stream(version, named_tensors, opened, resync=replica_ids is not None)
+        reports: list = [None] * dist.get_world_size(self.ctrl)
+        dist.all_gather_object(reports, (sorted(result.failed), refused), group=self.ctrl)
+        verdict = self._publish(version, opened, reports) if self.pool is not None else None
+        if verdict := from_rank0(verdict, self.ctrl):
+            raise WeightSyncError(verdict)
+        return result
+
+    def _stream(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], opened: list[int],
+                resync: bool) -> tuple[PushResult, str | None]:
+        """Phase 2 on this rank -> (its result, why a replica refused the run's configuration)."""
+        if self.sender is None or not opened:
+            for _ in named_tensors:  # take part in the TP gathers
+                pass
+            return PushResult(), None
+        targets = [self.urls[i] for i in opened]
+        if resync:  # restarted (or failed) replicas: what the sender kept for them is stale
+            self.sender.forget(targets)
+        try:
+            result = self.sender.push(named_tensors, urls=targets)
+        except WeightSyncError as e:
+            for _ in named_tensors:  # the rest of the gathers, for the stage's other ranks
+                pass
+            return PushResult(failed={u: str(e) for u in targets}), str(e)
+        if result.failed:
+            log.warning("weight sync of version %d, stage %d: replicas dropped: %s", version, self.stage, result.failed)
+        return result, None
+
+    def _publish(self, version: int, opened: list[int], reports: list) -> str | None:
+        """Rank 0, phases 3-4: publish where every stage arrived -> why the run must stop, or None."""
+        failed = {url for urls, _ in reports for url in urls}
+        if refused := next((why for _, why in reports if why), None):
+            self.pool.finish_update(version, [], abandoned=opened)
+            return refused
+        complete = [i for i in opened if self.urls[i] not in failed]
+        published = self.pool.finish_update(version, complete, [i for i in opened if i not in complete])
+        refusing = self.pool.up([i for i in opened if i not in published])
+        if opened and not published and refusing:
+            return f"weight sync of version {version} reached no replica; replicas {refusing} are up and refused it"
+        return None
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()

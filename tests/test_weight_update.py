@@ -1,0 +1,145 @@
+"""The verdict of one weight update (weights/update.py), driven in-process: a fake pool and fake
+senders on a one-rank gloo group (a HashStore: no process, no port).
+
+What is checked is the contract `WeightUpdate.push` states: the pool's phases run in order (open,
+stream, publish); a replica a sender could not reach is closed without a version and left stale,
+not published; the run stops (WeightSyncError) only when no replica took the update while a
+target is up and refusing it, or when a sender reports a replica configured unlike the run; a
+re-sync makes the sender forget the re-synced replicas first; the tensors are always drained.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_async.weights.sender import PushResult, WeightSyncError
+from megatron_async.weights.update import WeightUpdate
+
+URLS = ["http://127.0.0.1:9000", "http://127.0.0.1:9001"]
+
+
+@pytest.fixture(scope="module")
+def ctrl():
+    if dist.is_initialized():  # pragma: no cover - another in-process test left a group
+        pytest.fail("a default process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+class FakePool:
+    """ReplicaPool's update phases, recorded; `opens` / `publishes` say which replicas succeed."""
+
+    def __init__(self, opens=(0, 1), publishes=(0, 1), up=(0, 1)):
+        self.opens, self.publishes, self._up = list(opens), list(publishes), list(up)
+        self.calls: list[tuple] = []
+
+    def begin_update(self, replica_ids, mode, timeout_s):
+        self.calls.append(("begin", replica_ids))
+        return [i for i in self.opens if replica_ids is None or i in replica_ids]
+
+    def finish_update(self, version, complete, abandoned=()):
+        self.calls.append(("finish", version, list(complete), list(abandoned)))
+        return [i for i in complete if i in self.publishes]
+
+    def up(self, replica_ids):
+        return [i for i in replica_ids if i in self._up]
+
+
+class FakeSender:
+    """A WeightSender that fails the replicas in `fails` (url -> why), or raises `refuse`."""
+
+    def __init__(self, fails=None, refuse: str | None = None):
+        self.fails, self.refuse = dict(fails or {}), refuse
+        self.pushed: list[list[str]] = []
+        self.forgotten: list[str] = []
+        self.drained = 0
+
+    def push(self, named_tensors, urls):
+        self.pushed.append(list(urls))
+        if self.refuse:
+            next(iter(named_tensors))  # a refusal comes after the first bucket started
+            raise WeightSyncError(self.refuse)
+        self.drained += sum(1 for _ in named_tensors)
+        failed = {u: why for u, why in self.fails.items() if u in urls}
+        return PushResult(bytes=8, replicas=len(urls) - len(failed), buckets=1, failed=failed, carriers=["fake"])
+
+    def forget(self, urls):
+        self.forgotten += list(urls)
+
+    def close(self):
+        pass
+
+
+def tensors(n=3):
+    return iter([(f"w{i}", torch.zeros(2)) for i in range(n)])
+
+
+def update(ctrl, pool, sender):
+    return WeightUpdate(ctrl, URLS, "between_batches", timeout_s=5.0, stage=0, pool=pool, sender=sender)
+
+
+def test_a_full_update_opens_streams_and_publishes_every_replica(ctrl):
+    pool, sender = FakePool(), FakeSender()
+    result = update(ctrl, pool, sender).push(3, tensors())
+    assert pool.calls == [("begin", None), ("finish", 3, [0, 1], [])]
+    assert sender.pushed == [URLS] and sender.drained == 3 and not sender.forgotten
+    assert result.replicas == 2 and not result.failed
+
+
+def test_a_replica_the_sender_could_not_reach_is_closed_without_a_version(ctrl):
+    pool, sender = FakePool(), FakeSender(fails={URLS[1]: "bucket not received within 5 s"})
+    result = update(ctrl, pool, sender).push(4, tensors())
+    assert pool.calls[-1] == ("finish", 4, [0], [1])
+    assert result.failed == {URLS[1]: "bucket not received within 5 s"}
+
+
+def test_a_replica_that_did_not_open_gets_nothing(ctrl):
+    pool, sender = FakePool(opens=[1]), FakeSender()
+    update(ctrl, pool, sender).push(5, tensors())
+    assert sender.pushed == [[URLS[1]]] and pool.calls[-1] == ("finish", 5, [1], [])
+
+
+def test_an_update_that_reached_no_replica_while_both_are_up_stops_the_run(ctrl):
+    pool = FakePool()
+    sender = FakeSender(fails={u: "refused" for u in URLS})
+    with pytest.raises(WeightSyncError, match=r"version 6 reached no replica; replicas \[0, 1\] are up"):
+        update(ctrl, pool, sender).push(6, tensors())
+    assert pool.calls[-1] == ("finish", 6, [], [0, 1])
+
+
+def test_an_update_that_reached_no_replica_because_they_died_goes_on(ctrl):
+    pool = FakePool(up=[])  # both restarting: the loop re-syncs them when they are back
+    sender = FakeSender(fails={u: "connection refused" for u in URLS})
+    result = update(ctrl, pool, sender).push(7, tensors())
+    assert result.replicas == 0 and sorted(result.failed) == URLS
+
+
+def test_a_replica_that_fails_its_publish_while_up_stops_the_run_only_if_none_published(ctrl):
+    update(ctrl, FakePool(publishes=[0]), FakeSender()).push(8, tensors())  # replica 0 took it: go on
+    with pytest.raises(WeightSyncError, match=r"replicas \[0, 1\] are up and refused it"):
+        update(ctrl, FakePool(publishes=[]), FakeSender()).push(9, tensors())
+
+
+def test_a_replica_configured_unlike_the_run_stops_it_and_every_update_is_closed(ctrl):
+    pool = FakePool()
+    sender = FakeSender(refuse="replica 0 has 2 worker(s) but rollout.replica_tp=1")
+    feed = tensors(5)
+    with pytest.raises(WeightSyncError, match="rollout.replica_tp=1"):
+        update(ctrl, pool, sender).push(10, feed)
+    assert pool.calls[-1] == ("finish", 10, [], [0, 1])  # nothing published, both closed
+    assert next(feed, None) is None  # the rest of the tensors was drained (the TP gathers)
+
+
+def test_a_resync_forgets_the_replicas_first_and_touches_only_them(ctrl):
+    pool, sender = FakePool(), FakeSender()
+    update(ctrl, pool, sender).push(11, tensors(), replica_ids=[1])
+    assert pool.calls == [("begin", [1]), ("finish", 11, [1], [])]
+    assert sender.forgotten == [URLS[1]] and sender.pushed == [[URLS[1]]]
+
+
+def test_a_rank_without_a_sender_drains_the_tensors_and_reports_nothing(ctrl):
+    feed = tensors(4)
+    result = update(ctrl, FakePool(), None).push(12, feed)
+    assert next(feed, None) is None and result.replicas == 0 and not result.failed
