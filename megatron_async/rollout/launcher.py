@@ -5,7 +5,19 @@ of its own, so the API server, vLLM's engine-core process and its workers form o
 - `kill` signals the whole group: no engine process outlives its replica (a leftover engine on a
   GPU holds its weights and KV cache and blocks the restart);
 - the supervisor watches the process that launched it and kills the group when that process is
-  gone (a SIGKILLed learner leaves no server behind; vLLM has no parent-death handling of its own).
+  gone (a SIGKILLed learner leaves no server behind; vLLM has no parent-death handling of its own);
+- with rollout.replica_cpus the supervisor pins itself before it starts the server, so every
+  process of the group inherits those CPUs (pinning in a `preexec_fn` would run Python between fork
+  and exec in this threaded process).
+
+The environment of a replica is the launcher's (`replica_environment`) without what is meant for
+the learner only: torchrun's rendezvous variables (vLLM sets up its own torch.distributed world),
+`CUDA_DEVICE_MAX_CONNECTIONS` (launch/gpu_env.sh sets 1 for Megatron's TP overlap; it would leave
+vLLM's streams one hardware queue) and NCCL's tuning variables (NCCL_ALGO, NCCL_PROTO, channel and
+buffer sizes...). NCCL's network selection (NCCL_SOCKET_*, NCCL_IB_*, NCCL_NET*) and NCCL_DEBUG
+stay: the learner and a replica's workers form one NCCL group for weight sync (rollout.
+weight_transport: nccl) and must find the same interfaces. A replica that needs one of the dropped
+variables gets it through the pool's `env` (or ReplicaSpec.env).
 
 The pool (`pool.py`) supervises: failure budget, restarts, requeues, "stale until re-synced". A
 launcher only starts, reports, kills and shows logs. Servers started elsewhere (another node, a
@@ -20,9 +32,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
-from megatron_async.cluster.cpu_affinity import REPLICA_CPUS_ENV, parse_cpu_list
+from megatron_async.cluster.cpu_affinity import REPLICA_CPUS_ENV, format_cpu_list, parse_cpu_list
 from megatron_async.rollout.replica import ReplicaClient, ReplicaSpec, server_command, server_env
 from megatron_async.rollout.supervisor import signal_group
 
@@ -32,6 +44,17 @@ TORCHRUN_VARS = {
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
     "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
 }
+LEARNER_ONLY_VARS = {"CUDA_DEVICE_MAX_CONNECTIONS"}
+NCCL_NETWORK_PREFIXES = ("NCCL_SOCKET_", "NCCL_IB_", "NCCL_NET", "NCCL_DEBUG")  # kept: see the module docstring
+
+
+def replica_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """What a replica's server inherits of `environ` (this process's environment): all but the
+    learner's own variables (torchrun's rendezvous, CUDA_DEVICE_MAX_CONNECTIONS, NCCL tuning)."""
+    def learner_only(key: str) -> bool:
+        return (key in TORCHRUN_VARS or key.startswith("TORCHELASTIC_") or key in LEARNER_ONLY_VARS
+                or (key.startswith("NCCL_") and not key.startswith(NCCL_NETWORK_PREFIXES)))
+    return {k: v for k, v in environ.items() if not learner_only(k)}
 
 
 class PoolError(RuntimeError):
@@ -59,19 +82,26 @@ class LocalLauncher:
 
     def start(self, rid: int, port: int) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        # NOTE: a pool owned by a torchrun rank must not hand its rendezvous variables (RANK,
-        # MASTER_PORT, ...) to the server, whose vLLM sets up its own torch.distributed world.
-        env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
-        env.update(self.env)
-        env.update(server_env(self.spec, self.key))
+        env = self.environment(rid)
+        with open(self.log_path(rid), "ab") as log:
+            self._procs[rid] = subprocess.Popen(self.command(env, port), stdin=subprocess.DEVNULL, stdout=log,
+                                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def environment(self, rid: int) -> dict[str, str]:
+        """Replica `rid`'s environment: this process's (`replica_environment`), the pool's `env`,
+        the server's own (key, dev mode), its GPUs."""
+        env = {**replica_environment(os.environ), **self.env, **server_env(self.spec, self.key)}
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.devices[rid]
-        cmd = [sys.executable, str(SUPERVISOR), str(os.getpid()), "--", *server_command(self.spec, self.host, port, self.gpu)]
-        cpus = parse_cpu_list(env.get(REPLICA_CPUS_ENV, ""))  # rollout.replica_cpus: inherited by the whole group
-        with open(self.log_path(rid), "ab") as log:
-            self._procs[rid] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                                env=env, start_new_session=True,
-                                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+        return env
+
+    def command(self, env: Mapping[str, str], port: int) -> list[str]:
+        """The supervisor's command line: it pins itself to rollout.replica_cpus (REPLICA_CPUS_ENV
+        in `env`), if any, then runs the server."""
+        cpus = parse_cpu_list(env.get(REPLICA_CPUS_ENV, ""))
+        pin = [f"--cpus={format_cpu_list(cpus)}"] if cpus else []
+        return [sys.executable, str(SUPERVISOR), str(os.getpid()), *pin, "--",
+                *server_command(self.spec, self.host, port, self.gpu)]
 
     def wait_ready(self, rid: int, client: ReplicaClient) -> int:
         """The supervisor's pid once replica `rid` answers /health; PoolError if it exits or times out."""

@@ -21,7 +21,7 @@ Versions: every completion carries the range of policy versions its tokens were 
 weights of the pool's current version.
 
 Weight updates (`begin_update` / `finish_update`, called by learner rank 0 around the stage
-senders' buckets, weights/sync.py), in one of two modes:
+senders' buckets, weights/sender.py), in one of two modes:
 - "between_batches" (the paper's; the default): wait for the running `generate` to return,
   hold new ones, `/pause?mode=wait` (caches cleared), `/start_weight_update` ... buckets ...
   `/finish_weight_update` (sets `weight_version`), `/resume`; no completion spans two versions.
@@ -30,9 +30,12 @@ senders' buckets, weights/sync.py), in one of two modes:
   is off in this mode (a cached prompt's KV would outlive its weights).
 A replica failing any phase is dropped from that update (not fresh until a later full one).
 
-Faults: a request whose connection breaks or that exceeds `request_timeout_s` goes back to the
-queue (`stats()["requeues"]`) and another replica takes it. A broken connection to a replica
-that still answers `/health` costs only the requeue; otherwise (and on a timeout) the replica is
+Faults: a request whose connection breaks, that a replica refuses with 503 or that exceeds
+`request_timeout_s` goes back to the queue (`stats()["requeues"]`) and another replica takes it.
+A broken connection to a replica that still answers `/health` costs only the requeue; so does a
+503 from one that still answers (vLLM >= 0.33 refuses new requests with 503 while paused: a
+request racing a pause, or a pause by another client), and that replica takes no new request for
+`RETRY_AFTER_S`. Otherwise (and on a timeout) the replica is
 marked down and, if started here, restarted in the background (killed as a process group first), up to
 `max_failures` times (then `PoolError`). A restarted replica holds its checkpoint's weights: it
 rejoins dispatch only after the learner pushed the current version to it
@@ -64,6 +67,7 @@ log = logging.getLogger(__name__)
 
 UpdateMode = Literal["between_batches", "during_generation"]
 GENERATE_ROUTE = "/inference/v1/generate"
+RETRY_AFTER_S = 1.0  # a replica that answered 503 (paused) but is alive takes no new request for this long
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,7 @@ class _Replica:
         self.requests = 0
         self.restarting = False
         self.error = ""  # why its last restart or reconnect failed
+        self.retry_at = 0.0  # time.monotonic() before which it takes no new request (it answered 503)
 
 
 class ReplicaPool:
@@ -329,7 +334,14 @@ class ReplicaPool:
 
         def open_one(rep: _Replica) -> None:
             rep.client.pause(pause)
-            rep.client.start_weight_update()
+            try:
+                rep.client.start_weight_update()
+            except (ConnectionError, TimeoutError, ReplicaError):
+                try:  # not left paused: requests frozen by "keep" go on under the old weights
+                    rep.client.resume()
+                except (ConnectionError, TimeoutError, ReplicaError) as e:
+                    log.warning("replica %d: /resume after a failed /start_weight_update failed too: %s", rep.id, e)
+                raise
 
         return self._on_each(targets, open_one, "begin")
 
@@ -337,11 +349,9 @@ class ReplicaPool:
         """Publish `version` on the `complete` replicas (every stage's buckets arrived) and resume
         them; close the update without a version on the `abandoned` ones (a stage failed there:
         they stay out of dispatch until a later full update). Returns the replicas that published."""
-        verify = self.spec.weight_backend != "nccl"  # our engine checks coverage; vLLM's nccl one cannot
 
         def publish(rep: _Replica) -> None:
-            if verify:
-                rep.client.verify_weight_update()
+            rep.client.verify_weight_update()  # every one of our engines checks the update's coverage
             rep.client.finish_weight_update(version)
             rep.client.resume()
             with self._lock:
@@ -411,8 +421,10 @@ class ReplicaPool:
 
     def _pick(self, n: int) -> _Replica | None:
         """The fresh replica with the fewest outstanding sequences and room for `n` more."""
+        now = time.monotonic()
         with self._lock:
-            fresh = [r for r in self._replicas if self._fresh(r) and (r.inflight == 0 or r.inflight + n <= self.max_inflight_seqs)]
+            fresh = [r for r in self._replicas if self._fresh(r) and r.retry_at <= now
+                     and (r.inflight == 0 or r.inflight + n <= self.max_inflight_seqs)]
             if not fresh:
                 return None
             rep = min(fresh, key=lambda r: r.inflight)
@@ -454,7 +466,13 @@ class ReplicaPool:
                         else:
                             pending.appendleft(i)
                             self.requeues += 1
-                            if self._connection_dropped(task) and await self._answers(http, rep):
+                            if self._refused_busy(task) and await self._answers(http, rep):
+                                log.info("replica %d: %s; it answers /health (paused, or at its queue limit): "
+                                         "request requeued, replica kept, new requests after %.1f s", rep.id, error,
+                                         RETRY_AFTER_S)
+                                with self._lock:
+                                    rep.retry_at = time.monotonic() + RETRY_AFTER_S
+                            elif self._connection_dropped(task) and await self._answers(http, rep):
                                 log.warning("replica %d: %s; it answers /health: request requeued, replica kept", rep.id, error)
                             else:
                                 self._failed(rep, error)
@@ -479,6 +497,13 @@ class ReplicaPool:
         if 400 <= r.status_code < 500:
             raise ReplicaError(f"replica {rep.id} refused a request ({r.status_code}): {r.text[:500]}", r.status_code)
         return f"answered {r.status_code}: {r.text[:200]}"
+
+    @staticmethod
+    def _refused_busy(task: asyncio.Task) -> bool:
+        """The replica answered 503: paused (vLLM >= 0.33 refuses new requests until /resume), at
+        its queue limit (--max-num-queued-reqs), or its engine is dead (vLLM answers 503 for
+        EngineDeadError too): `_answers` tells the last from the others."""
+        return task.exception() is None and task.result().status_code == 503
 
     @staticmethod
     def _connection_dropped(task: asyncio.Task) -> bool:

