@@ -54,6 +54,19 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+@pytest.fixture(scope="session")
+def one_rank_group():
+    """A one-rank gloo default process group in this process (a HashStore: no port, no process),
+    for in-process tests of code that talks to its learner ranks through torch.distributed."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.fail("a default process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
 @pytest.fixture(autouse=True)
 def _no_process_outside_integration(request):
     """A test not marked `integration` must start no process (the fast tier's promise): starting one

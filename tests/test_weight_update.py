@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_async.weights.sender import PushResult, WeightSyncError
 from megatron_async.weights.update import WeightUpdate
@@ -19,13 +18,9 @@ from megatron_async.weights.update import WeightUpdate
 URLS = ["http://127.0.0.1:9000", "http://127.0.0.1:9001"]
 
 
-@pytest.fixture(scope="module")
-def ctrl():
-    if dist.is_initialized():  # pragma: no cover - another in-process test left a group
-        pytest.fail("a default process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
+@pytest.fixture
+def ctrl(one_rank_group):
+    return one_rank_group
 
 
 class FakePool:

@@ -66,7 +66,11 @@ class RolloutState:
             log.warning("dropped %d training prompts over data.max_prompt_tokens=%d", dropped, d.max_prompt_tokens)
         prompts = PromptIterator(train, seed=cfg.run.seed)
         scorer = make_scorer(cfg.reward)  # a reward model's worker process starts here
-        pool = start_pool(cfg, init_model)
+        try:
+            pool = start_pool(cfg, init_model)  # stops the replicas it started if one fails to come up
+        except BaseException:
+            scorer.close()
+            raise
         log.info("replicas: %s (pids %s)", ", ".join(pool.urls), pool.pids())
         adaptive_lag, balance = build_controllers(cfg)
         return cls(cfg, tokenizer, prompts, eval_prompts, scorer, pool, data_state=prompts.state_dict(),

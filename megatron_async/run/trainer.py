@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -67,35 +68,43 @@ class Trainer:
     # -- building ---------------------------------------------------------------------------------
     @classmethod
     def build(cls, cfg: Config) -> "Trainer":
+        """Every rank. What was started before a later part fails (the tracker's run, the replicas,
+        the reward model's worker, the weight senders) is closed again before the error propagates."""
         layout = init_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.run.seed, device_index=learner_device_index(cfg))
         ctrl = dist.new_group(backend="gloo")
         rank0 = layout.rank == 0
-        if rank0:  # builds the tiny base model if the config asks for one; the others wait for it
-            cfg.run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, cfg.run_dir / "config.yaml")
-            prepare_base_model(cfg)
-        dist.barrier(group=ctrl)
-        base = prepare_base_model(cfg)  # exists now: returns the path
-        tokenizer = load_tokenizer(base)
-        tracker = build_tracker(cfg, layout.rank)
-        if not tracker.resumed:  # MLflow refuses to change a logged param (e.g. run.resume)
-            tracker.log_params(flatten(cfg))
-        init_model = base
-        if cfg.sft.steps > 0:
-            with unpinned_before_replicas():  # nothing else runs yet: SFT may use every core
-                init_model = run_sft(cfg, base, tokenizer, layout, tracker)
-        learner = LearnerState.build(cfg, init_model, layout, tokenizer.pad_token_id)
-        rollout = RolloutState.build(cfg, tokenizer, init_model) if rank0 else None
-        where = (rollout.pool.urls, rollout.pool.key, socket.gethostname()) if rank0 else None
-        urls, key, replica_machine = from_rank0(where, ctrl)
-        check_reachable(replica_machine, urls)  # loopback replicas seen from another machine
-        weights = WeightUpdate.build(cfg, layout, ctrl, rollout.pool if rank0 else None, urls, key)
-        trainer = cls(cfg, ctrl, learner, rollout, tracker, init_model, weights,
-                      report=StepReport(cfg, tracker) if rank0 else None)
-        if cfg.run.resume:
-            trainer._resume()
-        elif replica_urls(cfg):  # servers started elsewhere serve the base model, not necessarily init_model
-            trainer.weights.push(trainer.learner.version, trainer.learner.hf_weights())
+        with ExitStack() as built:
+            if rank0:  # builds the tiny base model if the config asks for one; the others wait for it
+                cfg.run_dir.mkdir(parents=True, exist_ok=True)
+                save_config(cfg, cfg.run_dir / "config.yaml")
+                prepare_base_model(cfg)
+            dist.barrier(group=ctrl)
+            base = prepare_base_model(cfg)  # exists now: returns the path
+            tokenizer = load_tokenizer(base)
+            tracker = build_tracker(cfg, layout.rank)
+            built.callback(tracker.close)
+            if not tracker.resumed:  # MLflow refuses to change a logged param (e.g. run.resume)
+                tracker.log_params(flatten(cfg))
+            init_model = base
+            if cfg.sft.steps > 0:
+                with unpinned_before_replicas():  # nothing else runs yet: SFT may use every core
+                    init_model = run_sft(cfg, base, tokenizer, layout, tracker)
+            learner = LearnerState.build(cfg, init_model, layout, tokenizer.pad_token_id)
+            rollout = RolloutState.build(cfg, tokenizer, init_model) if rank0 else None
+            if rollout is not None:
+                built.callback(rollout.close)
+            where = (rollout.pool.urls, rollout.pool.key, socket.gethostname()) if rank0 else None
+            urls, key, replica_machine = from_rank0(where, ctrl)
+            check_reachable(replica_machine, urls)  # loopback replicas seen from another machine
+            weights = WeightUpdate.build(cfg, layout, ctrl, rollout.pool if rank0 else None, urls, key)
+            built.callback(weights.close)
+            trainer = cls(cfg, ctrl, learner, rollout, tracker, init_model, weights,
+                          report=StepReport(cfg, tracker) if rank0 else None)
+            if cfg.run.resume:
+                trainer._resume()
+            elif replica_urls(cfg):  # servers started elsewhere serve the base model, not necessarily init_model
+                trainer.weights.push(trainer.learner.version, trainer.learner.hf_weights())
+            built.pop_all()  # built whole: `close` ends it all from here
         return trainer
 
     def _resume(self) -> None:
@@ -178,7 +187,10 @@ class Trainer:
         return save_run_checkpoint(self.cfg, self.learner, self.ctrl, next_step, self.rollout, self.report)
 
     def close(self) -> None:
-        self.weights.close()
-        if self.rollout is not None:
-            self.rollout.close()
-        self.tracker.close()
+        """Every rank: the senders, the rollout side (producer, replicas, scorer), the tracker; each
+        closed even if one before it fails (the first error is raised after all of them ran)."""
+        with ExitStack() as closing:  # runs in reverse order of registration
+            closing.callback(self.tracker.close)
+            if self.rollout is not None:
+                closing.callback(self.rollout.close)
+            closing.callback(self.weights.close)
