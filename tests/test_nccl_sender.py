@@ -11,6 +11,7 @@ lent GPU is one H200 without vLLM).
 from __future__ import annotations
 
 import importlib.util
+import socket
 
 import pytest
 import torch
@@ -58,3 +59,16 @@ def test_nccl_push_into_a_gpu_replica_matches_transformers(tiny_models, tmp_path
                 assert max_logprob_diff(model, records) < LOGPROB_TOL
         finally:
             sender.close()
+
+
+def test_the_rendezvous_address_is_the_one_this_host_uses_towards_the_replica():
+    """Not the host name, which may resolve to 127.0.1.1 (Debian's /etc/hosts) or another interface."""
+    import psutil
+
+    from megatron_async.weights.broadcast import address_towards
+
+    assert address_towards("http://127.0.0.1:8000") == "127.0.0.1" == address_towards("http://localhost:8000")
+    own = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+           if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    assert own, f"this test needs a non-loopback IPv4 address: {psutil.net_if_addrs()}"
+    assert address_towards(f"http://{own[0]}:8000") == own[0]  # the route to this host's own address leaves from it

@@ -498,7 +498,7 @@ def _build_algorithm(algorithms, name: str, k: int):
 
 def vllm(args) -> dict:
     """vLLM on the GPU: tools/gpu_bench.py's vllm phase (generation tokens/s on one GPU). The weight
-    sync over vLLM's NCCL backend (weights/nccl_sender.py) is tests/test_nccl_sender.py, a `gpu` test
+    sync over vLLM's NCCL engine (weights/broadcast.py, NcclWire) is tests/test_nccl_sender.py, a `gpu` test
     the gpu_tests phase runs where vLLM is installed."""
     if not _have("vllm"):
         return {"status": "skipped", "reason": "vLLM is not installed (the lent GPU machine has none; 336 MB wheels "
