@@ -11,8 +11,11 @@ from megatron_async.algorithms.batching import Sample
 from megatron_async.algorithms.losses import dpo_loss, sequence_logprobs
 
 
-def algo(name: str, k: int = 2, **trainer):
-    return ALGORITHMS[name](TrainerConfig(algorithm=name, **trainer), k)
+K = 2  # completions per prompt of the batches these tests build
+
+
+def algo(name: str, **trainer):
+    return ALGORITHMS[name](TrainerConfig(algorithm=name, **trainer))
 
 
 def sample(prompt, reward, n_completion=3, lp=-1.0):
@@ -41,7 +44,7 @@ class FixedModels:
 
 def test_dpo_rows_are_adjacent_pairs_and_ties_are_skipped():
     samples = [sample(0, 1.0), sample(0, 0.0), sample(1, 0.0), sample(1, 0.0), sample(2, 0.0), sample(2, 1.0)]
-    rows, stats = algo("online_dpo").select(samples)
+    rows, stats = algo("online_dpo").select(samples, K)
     assert [r.reward for r in rows] == [1.0, 0.0, 1.0, 0.0]  # chosen, rejected, chosen, rejected
     assert [r.prompt_index for r in rows] == [0, 0, 2, 2]
     assert stats["dpo/tied_prompts"] == 1.0
@@ -49,7 +52,7 @@ def test_dpo_rows_are_adjacent_pairs_and_ties_are_skipped():
 
 def test_microbatches_have_one_shape_and_padding_weighs_nothing():
     rows = [sample(i, float(i % 2), n_completion=1 + i) for i in range(5)]
-    mbs = algo("rloo", k=5, beta=0.0).microbatches(rows, pad_id=0, micro_batch_size=2)
+    mbs = algo("rloo", beta=0.0).microbatches(rows, pad_id=0, micro_batch_size=2)
     assert len(mbs) == 3 and {tuple(mb["input_ids"].shape) for mb in mbs} == {(2, 2 + 5)}
     assert mbs[-1]["row_weight"].tolist() == [1.0, 0.0]
     # mean over microbatches of loss_scale * (mean over the microbatch's real rows) = mean over rows
@@ -59,19 +62,19 @@ def test_microbatches_have_one_shape_and_padding_weighs_nothing():
 
 def test_microbatch_size_is_evened_out_so_that_padding_is_less_than_a_unit_per_microbatch():
     rows = [sample(i, float(i % 2)) for i in range(9)]
-    mbs = algo("rloo", k=9, beta=0.0).microbatches(rows, pad_id=0, micro_batch_size=4)
+    mbs = algo("rloo", beta=0.0).microbatches(rows, pad_id=0, micro_batch_size=4)
     assert [mb["input_ids"].shape[0] for mb in mbs] == [3, 3, 3]  # not 3 x 4 with 3 padding rows
     assert sum(mb["row_weight"].sum().item() for mb in mbs) == 9
     pairs = [s for p in range(5) for s in (sample(p, 1.0), sample(p, 0.0))]
     dpo = algo("online_dpo")
-    mbs = dpo.microbatches(dpo.select(pairs)[0], pad_id=0, micro_batch_size=8)  # 10 rows: 2 x 6, one padding pair
+    mbs = dpo.microbatches(dpo.select(pairs, K)[0], pad_id=0, micro_batch_size=8)  # 10 rows: 2 x 6, one padding pair
     assert [mb["input_ids"].shape[0] for mb in mbs] == [6, 6] and mbs[1]["row_weight"].tolist() == [1] * 4 + [0] * 2
     assert sum(mb["loss_scale"].item() for mb in mbs) / len(mbs) == pytest.approx(1.0)
 
 
 def test_pairs_never_straddle_microbatches():
     samples = [s for p in range(3) for s in (sample(p, 1.0), sample(p, 0.0))]
-    rows, _ = algo("online_dpo").select(samples)
+    rows, _ = algo("online_dpo").select(samples, K)
     mbs = algo("online_dpo").microbatches(rows, pad_id=0, micro_batch_size=3)
     assert all(mb["input_ids"].shape[0] == 4 for mb in mbs)  # odd size rounded up to whole pairs
     assert mbs[1]["row_weight"].tolist() == [1.0, 1.0, 0.0, 0.0]
@@ -79,7 +82,7 @@ def test_pairs_never_straddle_microbatches():
 
 def test_dpo_loss_fn_equals_the_mean_over_real_pairs():
     samples = [s for p in range(3) for s in (sample(p, 1.0), sample(p, 0.0))]
-    rows, _ = algo("online_dpo").select(samples)
+    rows, _ = algo("online_dpo").select(samples, K)
     mbs = algo("online_dpo").microbatches(rows, pad_id=0, micro_batch_size=4)
     loss_fn = algo("online_dpo", beta=0.1).loss
     torch.manual_seed(0)
@@ -101,7 +104,7 @@ def test_rloo_advantages_use_kl_regularised_rewards():
     rloo = algo("rloo", beta=0.5)
     mbs = rloo.microbatches(rows, pad_id=0, micro_batch_size=4)
     # KL = 3 tokens x 0.1
-    rloo.prepare([mbs], FixedModels(reference=[mbs[0]["gen_logprobs"] - 0.1 * mbs[0]["loss_mask"]]))
+    rloo.prepare([mbs], FixedModels(reference=[mbs[0]["gen_logprobs"] - 0.1 * mbs[0]["loss_mask"]]), K)
     r = [1.0 - 0.5 * 0.3, 0.0 - 0.5 * 0.3]
     assert mbs[0]["advantages"].tolist() == pytest.approx([r[0] - r[1], r[1] - r[0]])  # one group: no padding
 
@@ -120,7 +123,7 @@ def ppo_microbatch():
     on row 0's first completion token, 0 elsewhere; V_old is 9 off the completion mask (ignored).
     """
     ppo = algo("ppo", beta=0.2)
-    rows, _ = ppo.select([sample(0, 1.0, n_completion=2, lp=-1.0), sample(0, 0.0, n_completion=1, lp=-0.5)])
+    rows, _ = ppo.select([sample(0, 1.0, n_completion=2, lp=-1.0), sample(0, 0.0, n_completion=1, lp=-0.5)], K)
     (mb,) = ppo.microbatches(rows, pad_id=0, micro_batch_size=3)  # 2 rows: `microbatches` pads none
     mb = with_padding_row(mb)
     mb["ref_logprobs"] = torch.tensor([[0, 0, -1.5, -1.0], [0, 0, -0.5, 0], [0, 0, -1.5, -1.0]])
@@ -182,7 +185,7 @@ def test_values_are_aligned_with_logprobs():
 
 
 def test_best_of_k_keeps_only_exact_matches():
-    rows, stats = algo("best_of_k_sft").select([sample(0, 0.0), sample(0, 1.0), sample(1, 0.0)])
+    rows, stats = algo("best_of_k_sft").select([sample(0, 0.0), sample(0, 1.0), sample(1, 0.0)], K)
     assert [r.reward for r in rows] == [1.0] and stats["sft/below_min_reward"] == 1.0
     assert not math.isnan(stats["sft/selected"])
 
@@ -195,12 +198,13 @@ def test_minibatches_and_dp_shards_keep_units_whole():
     shards = [algorithms.dp_shard(rows, 2, dp=2, dp_rank=r) for r in range(2)]
     assert sorted(shards[0] + shards[1]) == rows and all(len(s) == 6 for s in shards)
     assert algorithms.dp_shard(rows, 4, dp=4, dp_rank=3) == rows  # 3 groups, 4 ranks: replicate
-    assert algo("online_dpo", k=4).unit == 2 and algo("rloo", k=4).unit == 4 and algo("best_of_k_sft", k=4).unit == 1
+    assert algo("online_dpo").unit(4) == 2 and algo("rloo").unit(4) == 4 and algo("best_of_k_sft").unit(4) == 1
+    assert algo("rloo").unit(6) == 6  # K is the batch's (trainer.auto_balance changes it), not the algorithm's
 
 
 def test_dpo_nll_term_adds_the_chosen_token_mean_nll():
     samples = [sample(0, 1.0), sample(0, 0.0)]
-    rows, _ = algo("online_dpo").select(samples)
+    rows, _ = algo("online_dpo").select(samples, K)
     (mb,) = algo("online_dpo").microbatches(rows, pad_id=0, micro_batch_size=2)
     mb["ref_logprobs"] = torch.zeros(mb["input_ids"].shape)
     lp = -0.5 * mb["loss_mask"]  # every completion token has logprob -0.5
@@ -216,12 +220,12 @@ def test_batch_preparation_and_loss_stay_on_the_learners_device(name):
 
     Microbatches go to the learner's device and the learner's outputs come back there; `meta`
     tensors (shapes only) stand in for a GPU: any CPU tensor in the arithmetic raises."""
-    a = algo(name, k=2)
+    a = algo(name)
     samples = [sample(p, float(i), n_completion=2 + i) for p in range(3) for i in range(2)]
-    rows, _ = a.select(samples)
+    rows, _ = a.select(samples, K)
     minibatches = [a.microbatches(part, pad_id=0, micro_batch_size=3, device="meta")
-                   for part in algorithms.split_units(rows, a.unit, 2)]
-    stats = a.prepare(minibatches, FixedModels())
+                   for part in algorithms.split_units(rows, a.unit(K), 2)]
+    stats = a.prepare(minibatches, FixedModels(), K)
     assert all(v.device.type == "meta" for v in stats.values())
     mb = minibatches[0][0]
     loss, metrics = a.loss(torch.zeros(mb["input_ids"].shape, device="meta"), mb)
@@ -262,19 +266,19 @@ class CountingModels(FixedModels):
 ])
 def test_the_staleness_monitor_reads_the_training_forward_only_for_one_optimizer_step(name, minibatches, updates,
                                                                                         fused):
-    a = ALGORITHMS[name](TrainerConfig(algorithm=name), 2, "tis")
+    a = ALGORITHMS[name](TrainerConfig(algorithm=name), "tis")
     samples = [sample(p, float(i), n_completion=2 + i, lp=-0.5 - p) for p in range(4) for i in range(2)]
-    rows, _ = a.select(samples)
-    parts = algorithms.split_units(rows, a.unit, minibatches)
+    rows, _ = a.select(samples, K)
+    parts = algorithms.split_units(rows, a.unit(K), minibatches)
     mbs = lambda: [a.microbatches(part, pad_id=0, micro_batch_size=4) for part in parts]  # noqa: E731
     old = [torch.full(mb["input_ids"].shape, -1.0) * mb["loss_mask"] for mb in mbs()[0]]
     assert a.monitor_from_training(mbs(), updates) == fused
     separate = CountingModels(old)
-    stats_separate = a.prepare(mbs(), separate)
+    stats_separate = a.prepare(mbs(), separate, K)
     assert separate.policy_calls == minibatches
     if fused:  # no forward of its own; the learner gives it the training forward's logprobs afterwards
         deferred, models = mbs(), CountingModels(old)
-        assert a.prepare(deferred, models, old_from_training=True) == {} and models.policy_calls == 0
+        assert a.prepare(deferred, models, K, old_from_training=True) == {} and models.policy_calls == 0
         for mb, lp in zip(deferred[0], old):
             mb["old_logprobs"] = lp
         stats_deferred = a.staleness(deferred)

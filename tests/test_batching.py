@@ -111,7 +111,7 @@ def test_dpo_pairs_collate_to_adjacent_rows():
     # and its loss reads chosen from rows 0::2, rejected from rows 1::2
     from megatron_async.algorithms.online_dpo import OnlineDPO
 
-    rows, _ = OnlineDPO(cfg=None, k=2).select([make(0, 0.0, (5,)), make(0, 1.0, (6, 7, 8)), make(1, 1.0, (9,)), make(1, 0.0, (4,))])
+    rows, _ = OnlineDPO(cfg=None).select([make(0, 0.0, (5,)), make(0, 1.0, (6, 7, 8)), make(1, 1.0, (9,)), make(1, 0.0, (4,))], 2)
     batch = collate(rows, pad_id=0)
     assert batch.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
     assert batch.input_ids[:, 3].tolist() == [6, 5, 9, 4]

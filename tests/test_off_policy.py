@@ -16,8 +16,11 @@ from megatron_async.rollout.producer import RolloutBatch, RolloutProducer
 from megatron_async.run.adaptive_lag import AdaptiveLag
 
 
-def algo(name, k=2, correction="none", **trainer):
-    return ALGORITHMS[name](TrainerConfig(algorithm=name, **trainer), k, correction)
+K = 2  # completions per prompt of the batches these tests build
+
+
+def algo(name, correction="none", **trainer):
+    return ALGORITHMS[name](TrainerConfig(algorithm=name, **trainer), correction)
 
 
 def sample(prompt, reward, n=2, lp=-1.0):
@@ -80,7 +83,7 @@ def test_tis_weights_reach_the_ppo_loss_and_none_leaves_it_alone():
         old = [mbs[0]["gen_logprobs"] + torch.log(torch.tensor(3.0)) * mbs[0]["loss_mask"]]  # w = 3 -> tis caps at 2
         for mb in mbs:
             mb["old_values"] = torch.zeros(mb["input_ids"].shape)
-        stats = Algorithm.prepare(ppo, [mbs], OldModels(old))  # the shared part of PPO.prepare (no value model)
+        stats = Algorithm.prepare(ppo, [mbs], OldModels(old), K)  # the shared part of PPO.prepare (no value model)
         ppo.add_advantages(mbs)
         mb = mbs[0]
         loss, _ = ppo.loss(old[0].clone(), mb)  # ratio 1: loss = -mean over tokens of w * A
@@ -103,18 +106,18 @@ def test_grpo_advantages_with_and_without_std_normalisation():
 
 
 def test_grpo_skips_and_counts_groups_whose_rewards_all_tie():
-    grpo = algo("grpo", k=2)
-    rows, stats = grpo.select([sample(0, 1.0), sample(0, 0.0), sample(1, 1.0), sample(1, 1.0), sample(2, 0.0)])
+    grpo = algo("grpo")
+    rows, stats = grpo.select([sample(0, 1.0), sample(0, 0.0), sample(1, 1.0), sample(1, 1.0), sample(2, 0.0)], K)
     assert [r.prompt_index for r in rows] == [0, 0]
     assert stats["grpo/tied_groups"] == 1.0 and stats["group/incomplete_prompts"] == 1.0
 
 
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
 def test_grpo_loss_clips_asymmetrically_and_aggregates_as_asked(aggregation):
-    grpo = algo("grpo", k=2, clip_eps=0.2, clip_eps_high=0.5, loss_aggregation=aggregation, grpo_std_normalization=False)
-    rows, _ = grpo.select([sample(0, 1.0, n=1), sample(0, 0.0, n=3)])
+    grpo = algo("grpo", clip_eps=0.2, clip_eps_high=0.5, loss_aggregation=aggregation, grpo_std_normalization=False)
+    rows, _ = grpo.select([sample(0, 1.0, n=1), sample(0, 0.0, n=3)], K)
     mbs = grpo.microbatches(rows, pad_id=0, micro_batch_size=2)
-    grpo.prepare([mbs], OldModels([torch.zeros(mbs[0]["input_ids"].shape)]))
+    grpo.prepare([mbs], OldModels([torch.zeros(mbs[0]["input_ids"].shape)]), K)
     mb = mbs[0]
     assert mb["advantages"].tolist() == pytest.approx([0.5, -0.5])
     lp = torch.log(torch.full(mb["input_ids"].shape, 1.4)) * mb["loss_mask"]  # ratio 1.4 on every token
@@ -126,10 +129,10 @@ def test_grpo_loss_clips_asymmetrically_and_aggregates_as_asked(aggregation):
 
 
 def test_grpo_kl_term_is_k3_to_the_reference():
-    grpo = algo("grpo", k=2, grpo_kl_coef=0.5)
-    rows, _ = grpo.select([sample(0, 1.0, n=1), sample(0, 0.0, n=1)])
+    grpo = algo("grpo", grpo_kl_coef=0.5)
+    rows, _ = grpo.select([sample(0, 1.0, n=1), sample(0, 0.0, n=1)], K)
     mbs = grpo.microbatches(rows, pad_id=0, micro_batch_size=2)
-    grpo.prepare([mbs], OldModels([torch.zeros(mbs[0]["input_ids"].shape)]))
+    grpo.prepare([mbs], OldModels([torch.zeros(mbs[0]["input_ids"].shape)]), K)
     lp = -0.1 * mbs[0]["loss_mask"]
     for mb in mbs:
         mb["old_logprobs"] = lp.clone()  # ratio 1
@@ -158,14 +161,15 @@ def test_adaptive_lag_rises_while_starved_and_under_target_and_falls_over_it():
 def test_admission_stays_exact_when_the_lag_changes_between_batches():
     """Every batch is trained no staler than the lag in force when it was admitted, and the
     learner never changes the weights under a batch in flight."""
-    admitted = {}
+    admitted, held = {}, {"version": 0}  # held: what the replicas hold (the learner's last push)
     gate = threading.Event()
 
     def make_batch(index):
         admitted[index] = prod.max_lag
+        version = held["version"]  # the completions report the weights they were sampled under
         if index == 3:
             gate.wait(5)  # batch 3 is in flight while the learner asks to push
-        return RolloutBatch(index=index, policy_version=-1, problems=[], completions=[], rewards=[])
+        return RolloutBatch(index=index, policy_version=version, problems=[], completions=[], rewards=[])
 
     prod = RolloutProducer(make_batch, max_lag=2, last_batch=7)
     prod.start()
@@ -187,6 +191,7 @@ def test_admission_stays_exact_when_the_lag_changes_between_batches():
             while not prod.old_weights_done(step):
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
+            held["version"] = step + 1
             prod.notify_synced(step + 1)
         assert admitted[2] == 2 and admitted[5] == 0
     finally:

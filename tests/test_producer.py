@@ -25,7 +25,8 @@ class Recorder:
         with self.lock:
             self.started.append(index)
             self.started_under[index] = self.announced
-        return RolloutBatch(index=index, policy_version=-1, problems=[], completions=[], rewards=[])
+        # the replicas hold the announced version: the batch's completions report it
+        return RolloutBatch(index=index, policy_version=self.announced, problems=[], completions=[], rewards=[])
 
 
 def sync(prod, maker, version):
@@ -78,7 +79,6 @@ class Gate(Recorder):
         batch = super().__call__(index)
         assert self.release.wait(5)
         self.release.clear()
-        batch.policy_version = 0
         return batch
 
 
@@ -127,6 +127,28 @@ def test_errors_reach_the_learner():
         assert wait_until(lambda: prod._error is not None)
         with pytest.raises(RuntimeError, match="replica exploded"):
             prod.has(0)
+    finally:
+        prod.stop()
+
+
+def test_a_batch_with_completions_older_than_admitted_stops_the_run():
+    """The batch's version is what its completions report, checked against the version it was
+    admitted under (never overwritten): tokens of an older policy than the lag allows are an error."""
+    class Stale(Recorder):
+        def __call__(self, index):
+            batch = super().__call__(index)
+            batch.policy_version = self.announced - 1 if index == 2 else batch.policy_version
+            return batch
+
+    maker = Stale()
+    prod = RolloutProducer(maker, max_lag=1, last_batch=3).start()
+    try:
+        assert wait_until(lambda: prod.has(0)) and prod.take(0).policy_version == 0
+        assert wait_until(lambda: prod.old_weights_done(0))
+        sync(prod, maker, 1)  # batch 2 is admitted under v1 and reports v0
+        assert wait_until(lambda: prod._error is not None)
+        with pytest.raises(RuntimeError, match="batch 2: completions of policy version 0, older than v1"):
+            prod.has(2)
     finally:
         prod.stop()
 

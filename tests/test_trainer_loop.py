@@ -106,7 +106,7 @@ class FakeRollout:
 class FakeLearner:
     def __init__(self, events: Events, skipped: bool = False):
         self.events, self.skipped, self.version = events, skipped, 0
-        self.policy = SimpleNamespace(chunks=[])
+        self.policy = SimpleNamespace(model=None)  # read only by the HF export, replaced here
 
     def step(self, batch, step, updates):
         self.events("train", step)

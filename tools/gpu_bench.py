@@ -92,10 +92,10 @@ def learner(args) -> dict:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        chunks = build_model(hf)  # bf16 on GPU, fp32 on CPU; megatron's random init
-        params = sum(p.numel() for c in chunks for p in c.parameters())
-        weights_b = _nbytes(p for c in chunks for p in c.parameters())
-        policy, optimizer, scheduler = build_optimizer(chunks, OptimSettings(lr=1e-5))
+        model = build_model(hf)  # bf16 on GPU, fp32 on CPU; megatron's random init
+        params = sum(p.numel() for c in model.chunks for p in c.parameters())
+        weights_b = _nbytes(p for c in model.chunks for p in c.parameters())
+        policy, optimizer, scheduler = build_optimizer(model, OptimSettings(lr=1e-5))
         build_s = time.perf_counter() - t0
         g = torch.Generator().manual_seed(0)
         mask = torch.ones(args.micro_batch, args.seq)
@@ -121,7 +121,7 @@ def learner(args) -> dict:
         sync()
         step_s = (time.perf_counter() - t) / args.steps
         peak = torch.cuda.max_memory_allocated() if cuda else None
-        grad_b = _nbytes(b.grad_data for c in policy for b in c.buffers)
+        grad_b = _nbytes(b.grad_data for c in policy.chunks for b in c.buffers)
         inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
         adam_b = _nbytes(v for o in inner for st in o.state.values() for v in st.values()
                          if torch.is_tensor(v) and v.numel() > 1)
@@ -135,7 +135,7 @@ def learner(args) -> dict:
         out = {
             "device": torch.cuda.get_device_name() if cuda else "cpu", "smoke_cpu": SMOKE, "parameters": params,
             "model": {"hidden": h, "layers": L, "heads": s.num_attention_heads, "kv_heads": kv, "ffn": f, "vocab": vocab()},
-            "perf_settings": chunks[0].perf.to_dict(), "optimizer": type(inner[0]).__name__ if not hasattr(optimizer, "chained_optimizers")
+            "perf_settings": model.perf.to_dict(), "optimizer": type(inner[0]).__name__ if not hasattr(optimizer, "chained_optimizers")
             else type(optimizer.chained_optimizers[0]).__name__,
             "build_s": build_s, "warmup_step_s": [b - a for a, b in zip(warm, warm[1:])],
             "rows": len(mbs) * args.micro_batch, "micro_batch": args.micro_batch, "seq": args.seq,

@@ -33,9 +33,8 @@ ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (OnlineDPO, R
 
 
 def build_algorithm(cfg) -> Algorithm:
-    """The algorithm `trainer.algorithm` names, for rollout.k completions per prompt, with the run's
-    off-policy correction."""
-    return ALGORITHMS[cfg.trainer.algorithm](cfg.trainer, cfg.rollout.k, resolve_correction(cfg))
+    """The algorithm `trainer.algorithm` names, with the run's off-policy correction."""
+    return ALGORITHMS[cfg.trainer.algorithm](cfg.trainer, resolve_correction(cfg))
 
 
 __all__ = ["ALGORITHMS", "Algorithm", "LearnerModels", "build_algorithm", "dp_shard", "split_units"]

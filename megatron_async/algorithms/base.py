@@ -2,13 +2,15 @@
 
 One learner step on one scored batch (`run/learner_state.py`), for every algorithm:
 
-    rows, stats = algo.select(samples)                   # which samples are trained on, in row order
-    parts = split_units(rows, algo.unit, N)              # N minibatches; dp_shard -> this DP rank's share
+    rows, stats = algo.select(samples, k)                # which samples are trained on, in row order
+    parts = split_units(rows, algo.unit(k), N)           # N minibatches; dp_shard -> this DP rank's share
     mbs = algo.microbatches(part, pad_id, size, device)  # same [b, s] within a part
-    stats |= algo.prepare(minibatches, models)           # reference / old logprobs, values, advantages
+    stats |= algo.prepare(minibatches, models, k)        # reference / old logprobs, values, advantages
     train_step(policy, ..., mbs, algo.loss)              # N optimizer steps, T passes
     train_step(value, ..., mbs, algo.value_loss)         # PPO only: the value model's step
 
+K, the completions per prompt of the batch at hand, is an argument of the calls that group by it
+(trainer.auto_balance changes it between batches): an algorithm holds no per-batch state.
 Algorithms are handed the config's sections (`cfg` is `config.TrainerConfig` in `__init__`, the
 whole `config.Config` in `rules`) and never import `config`, which imports this registry.
 
@@ -60,8 +62,8 @@ class Algorithm:
     needs_old_logprobs: ClassVar[bool] = False  # its loss anchors to the learner before the update (PPO, GRPO)
     corrects_off_policy: ClassVar[bool] = False  # takes behaviour weights (`algorithms.off_policy`)
 
-    def __init__(self, cfg, k: int, correction: Correction = "none"):
-        self.cfg, self.k = cfg, k
+    def __init__(self, cfg, correction: Correction = "none"):
+        self.cfg = cfg
         self.correction: Correction = correction if self.corrects_off_policy else "none"
 
     @classmethod
@@ -70,14 +72,14 @@ class Algorithm:
         yield (cfg.rollout.k >= cls.min_k, "rollout.k", cfg.rollout.k,
                f"{cls.name} compares completions of a prompt: needs K >= {cls.min_k}")
 
-    @property
-    def unit(self) -> int:
-        """Rows that must stay together in a minibatch and a DP shard."""
-        return 2 if self.pairwise else self.k if self.grouped else 1
+    def unit(self, k: int) -> int:
+        """Rows that must stay together in a minibatch and a DP shard, for K completions per prompt."""
+        return 2 if self.pairwise else k if self.grouped else 1
 
     # -- per batch ------------------------------------------------------------------------------
-    def select(self, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
-        """The samples trained on, in row order, with selection statistics."""
+    def select(self, samples: list[Sample], k: int) -> tuple[list[Sample], dict[str, float]]:
+        """The samples trained on (of a batch of K completions per prompt), in row order, with
+        selection statistics."""
         raise NotImplementedError
 
     def microbatches(self, rows: list[Sample], pad_id: int, micro_batch_size: int,
@@ -119,9 +121,10 @@ class Algorithm:
                         for k, v in mb.items()})
         return out
 
-    def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels,
+    def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels, k: int,
                 old_from_training: bool = False) -> dict[str, torch.Tensor]:
-        """Add what the loss needs to every microbatch; return batch statistics (0-dim tensors).
+        """Add what the loss needs to every microbatch (of a batch of K completions per prompt);
+        return batch statistics (0-dim tensors).
 
         Every algorithm needs the frozen reference's logprobs (the KL to it is logged, and is
         part of most losses). The learner's logprobs before the update (`old_logprobs`, the

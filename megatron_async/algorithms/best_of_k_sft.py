@@ -21,7 +21,7 @@ class BestOfKSFT(Algorithm):
         yield (cfg.reward.kind == "gsm8k_exact_match", "trainer.algorithm", cls.name,
                "trains on completions that are an exact match (reward 1): needs reward.kind=gsm8k_exact_match")
 
-    def select(self, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
+    def select(self, samples: list[Sample], k: int) -> tuple[list[Sample], dict[str, float]]:
         return select_best_of_k(samples, min_reward=1.0)
 
     def policy_loss(self, logprobs: torch.Tensor, mb: Microbatch, n: int) -> tuple[torch.Tensor, dict]:

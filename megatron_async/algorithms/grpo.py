@@ -46,18 +46,18 @@ class GRPO(Algorithm):
     needs_old_logprobs = True
     corrects_off_policy = True
 
-    def select(self, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
-        rows, stats = group_samples(samples, self.k)
-        groups = [rows[i:i + self.k] for i in range(0, len(rows), self.k)]
+    def select(self, samples: list[Sample], k: int) -> tuple[list[Sample], dict[str, float]]:
+        rows, stats = group_samples(samples, k)
+        groups = [rows[i:i + k] for i in range(0, len(rows), k)]
         kept = [g for g in groups if len({s.reward for s in g}) > 1]
         stats["grpo/tied_groups"] = float(len(groups) - len(kept))
         return [s for g in kept for s in g], stats
 
-    def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels,
+    def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels, k: int,
                 old_from_training: bool = False) -> dict[str, torch.Tensor]:
-        stats = super().prepare(minibatches, models, old_from_training)
+        stats = super().prepare(minibatches, models, k, old_from_training)
         for mbs in minibatches:  # groups never straddle two minibatches
-            adv = group_advantages(real_rows_of(mbs, "rewards"), self.k, self.cfg.grpo_std_normalization)
+            adv = group_advantages(real_rows_of(mbs, "rewards"), k, self.cfg.grpo_std_normalization)
             scatter_rows(mbs, "advantages", adv)
         return stats
 

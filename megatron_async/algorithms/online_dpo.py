@@ -18,7 +18,7 @@ class OnlineDPO(Algorithm):
     name = "online_dpo"
     pairwise = True
 
-    def select(self, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
+    def select(self, samples: list[Sample], k: int) -> tuple[list[Sample], dict[str, float]]:
         pairs, stats = build_dpo_pairs(samples)
         return [s for pair in pairs for s in pair], stats  # [c0, r0, c1, r1, ...]
 

@@ -52,14 +52,14 @@ class PPO(Algorithm):
         yield 0 <= t.lam <= 1, "trainer.lam", t.lam, "GAE lambda must be in [0, 1]"
         yield t.clip_eps > 0, "trainer.clip_eps", t.clip_eps, "must be > 0"
 
-    def select(self, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
-        return group_samples(samples, self.k)
+    def select(self, samples: list[Sample], k: int) -> tuple[list[Sample], dict[str, float]]:
+        return group_samples(samples, k)
 
-    def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels,
+    def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels, k: int,
                 old_from_training: bool = False) -> dict[str, torch.Tensor]:
         """pi_old (`Algorithm.prepare`) and V_old, both models before this batch's first update,
         then advantages and returns over ALL the given microbatches (`add_advantages`)."""
-        stats = super().prepare(minibatches, models, old_from_training)
+        stats = super().prepare(minibatches, models, k, old_from_training)
         for mbs in minibatches:
             for mb, value in zip(mbs, models.values(mbs)):
                 mb["old_values"] = value

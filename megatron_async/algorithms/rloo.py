@@ -19,19 +19,19 @@ class RLOO(Algorithm):
     grouped = True
     corrects_off_policy = True
 
-    def select(self, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
-        return group_samples(samples, self.k)
+    def select(self, samples: list[Sample], k: int) -> tuple[list[Sample], dict[str, float]]:
+        return group_samples(samples, k)
 
-    def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels,
+    def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels, k: int,
                 old_from_training: bool = False) -> dict[str, torch.Tensor]:
         """Advantages per minibatch (groups never straddle two); statistics averaged over minibatches."""
-        stats = super().prepare(minibatches, models, old_from_training)
+        stats = super().prepare(minibatches, models, k, old_from_training)
         kls, regularised = [], []
         for mbs in minibatches:
             scores = real_rows_of(mbs, "rewards")
             kl = torch.cat([sequence_kl(mb["gen_logprobs"], mb["ref_logprobs"], mb["loss_mask"])[:mb["real_rows"]]
                             for mb in mbs])
-            scatter_rows(mbs, "advantages", rloo_advantages(scores - self.cfg.beta * kl, self.k))
+            scatter_rows(mbs, "advantages", rloo_advantages(scores - self.cfg.beta * kl, k))
             kls.append(kl.mean())
             regularised.append((scores - self.cfg.beta * kl).mean())
         return {**stats, "rloo/kl": torch.stack(kls).mean(), "rloo/regularised_reward": torch.stack(regularised).mean()}

@@ -118,14 +118,13 @@ class PlainLearner:
                                            eps=1e-8, weight_decay=t.weight_decay)
 
     def step(self, batch: RolloutBatch) -> float:
-        t, algo = self.cfg.trainer, self.algorithm
-        algo.k = batch.k
+        t, algo, k = self.cfg.trainer, self.algorithm, batch.k
         samples = [Sample.from_completion(c, r) for comps, rs in zip(batch.completions, batch.rewards)
                    for c, r in zip(comps, rs)]
-        rows, _ = algo.select(samples)
+        rows, _ = algo.select(samples, k)
         minibatches = [algo.microbatches(part, self.pad_id, t.micro_batch_size)
-                       for part in split_units(rows, algo.unit, t.minibatches)]
-        algo.prepare(minibatches, self.models)
+                       for part in split_units(rows, algo.unit(k), t.minibatches)]
+        algo.prepare(minibatches, self.models, k)
         policy, loss = self.models.policy, 0.0
         for _ in range(t.updates_per_batch):
             for mbs in minibatches:
@@ -144,8 +143,7 @@ class PlainLearner:
 def trained_tokens(learner: LearnerState, batch: RolloutBatch) -> int:
     samples = [Sample.from_completion(c, r) for comps, rs in zip(batch.completions, batch.rewards)
                for c, r in zip(comps, rs)]
-    learner.algorithm.k = batch.k
-    rows, _ = learner.algorithm.select(samples)
+    rows, _ = learner.algorithm.select(samples, batch.k)
     return learner.cfg.trainer.updates_per_batch * sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
 
 

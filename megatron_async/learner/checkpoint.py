@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_async.io_utils import replace_dir
-from megatron_async.learner.model import LlamaArch, unwrap_model as _unwrap
+from megatron_async.learner.model import LearnerModel, LlamaArch, unwrap_model as _unwrap
 
 MANIFEST = "manifest.json"
 FORMAT = "megatron_async/1"
@@ -77,7 +77,7 @@ def _rank0_then_share(fn):
     return value
 
 
-def save_checkpoint(ckpt_dir: str | os.PathLike, model_chunks: list, optimizer=None, scheduler=None,
+def save_checkpoint(ckpt_dir: str | os.PathLike, model: LearnerModel, optimizer=None, scheduler=None,
                     extra: dict | None = None, files: dict[str, Path] | None = None,
                     parts: dict[str, Path] | None = None) -> Path:
     """Save model (+ optimizer, scheduler) to `ckpt_dir` atomically. `extra`: JSON-able metadata
@@ -90,7 +90,6 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, model_chunks: list, optimizer=N
 
     ckpt_dir = Path(ckpt_dir)
     tmp = ckpt_dir.with_name(ckpt_dir.name + ".tmp")
-    model = _unwrap(model_chunks[0])
     layout = _layout()
 
     def prepare():
@@ -98,7 +97,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, model_chunks: list, optimizer=N
         (tmp / "dist").mkdir(parents=True)
 
     _rank0_then_share(prepare)
-    dist_checkpointing.save(_sharded_state(model_chunks, optimizer, scheduler, loading=False), str(tmp / "dist"))
+    dist_checkpointing.save(_sharded_state(model.chunks, optimizer, scheduler, loading=False), str(tmp / "dist"))
     dist.barrier()
 
     def finish():
@@ -107,7 +106,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, model_chunks: list, optimizer=N
             shutil.copyfile(src, tmp / name)
         for name, src in (parts or {}).items():
             os.replace(src, tmp / name)
-        if getattr(model, "hf_config", None) is not None:
+        if model.hf_config is not None:
             (tmp / "hf_config.json").write_text(json.dumps(model.hf_config, indent=2))
         manifest = {
             "format": FORMAT,
@@ -154,20 +153,20 @@ def check_arch(manifest: dict, arch: LlamaArch, where: str) -> None:
         raise ValueError(f"checkpoint {where} holds another architecture than the model ({fields})")
 
 
-def load_checkpoint(ckpt_dir: str | os.PathLike, model_chunks: list, optimizer=None, scheduler=None) -> dict:
+def load_checkpoint(ckpt_dir: str | os.PathLike, model: LearnerModel, optimizer=None, scheduler=None) -> dict:
     """Load a checkpoint saved by `save_checkpoint` (at any TP x PP) into this layout's model
     chunks (+ optimizer, scheduler). Returns the saved `extra` metadata."""
     from megatron.core import dist_checkpointing
 
     ckpt_dir = Path(ckpt_dir)
     manifest = _rank0_then_share(lambda: read_manifest(ckpt_dir))
-    check_arch(manifest, _unwrap(model_chunks[0]).arch, str(ckpt_dir))
+    check_arch(manifest, model.arch, str(ckpt_dir))
     if optimizer is not None and not manifest["has_optimizer"]:
         raise ValueError(f"checkpoint {ckpt_dir} has no optimizer state (saved model-only, e.g. by convert)")
-    state = dist_checkpointing.load(_sharded_state(model_chunks, optimizer, scheduler, loading=True),
+    state = dist_checkpointing.load(_sharded_state(model.chunks, optimizer, scheduler, loading=True),
                                     str(ckpt_dir / "dist"))
     with torch.no_grad():
-        _unwrap(model_chunks[0]).load_state_dict(state["model"])
+        _unwrap(model.chunks[0]).load_state_dict(state["model"])
         if optimizer is not None:
             optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None:

@@ -32,10 +32,10 @@ from megatron_async.learner.parallel import destroy_parallel, free_port, init_pa
 
 def hf_to_megatron(src: Path, dst: Path, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> None:
     """(Under init_parallel.) Load the HF checkpoint into this layout and save it as a learner checkpoint."""
-    chunks = build_model(src, make_vocab_size_divisible_by=vocab_divisible_by)
-    load_hf_weights(chunks, src)
+    model = build_model(src, make_vocab_size_divisible_by=vocab_divisible_by)
+    load_hf_weights(model, src)
     files = {f"hf/{name}": path for name, path in hf_side_files(src).items()}
-    save_checkpoint(dst, chunks, extra={"converted_from": str(src.resolve())}, files=files)
+    save_checkpoint(dst, model, extra={"converted_from": str(src.resolve())}, files=files)
 
 
 def megatron_to_hf(src: Path, dst: Path, tokenizer: Path | None, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> None:
@@ -48,9 +48,9 @@ def megatron_to_hf(src: Path, dst: Path, tokenizer: Path | None, vocab_divisible
     read_manifest(src, verify=False)  # a clear error early (on every rank) if src is no checkpoint
     if not tok_dir.is_dir():
         raise FileNotFoundError(f"no tokenizer: {tok_dir} does not exist (pass --tokenizer DIR)")
-    chunks = build_model(hf_config, make_vocab_size_divisible_by=vocab_divisible_by)
-    load_checkpoint(src, chunks)
-    export_hf(chunks, dst, tokenizer_dir=tok_dir, hf_config=hf_config)
+    model = build_model(hf_config, make_vocab_size_divisible_by=vocab_divisible_by)
+    load_checkpoint(src, model)
+    export_hf(model, dst, tokenizer_dir=tok_dir, hf_config=hf_config)
 
 
 def _parser() -> argparse.ArgumentParser:

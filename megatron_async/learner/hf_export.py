@@ -1,6 +1,6 @@
 """Write a live (TP/PP-sharded) learner model as an HF checkpoint folder, atomically.
 
-    export_hf(model_chunks, "runs/x/hf_final", tokenizer_dir="runs/x/base_model")   # all ranks
+    export_hf(model, "runs/x/hf_final", tokenizer_dir="runs/x/base_model")   # all ranks
 
 Each pipeline stage's source rank streams its tensors (`mapping.iter_hf_weights`) into size-capped
 safetensors files; rank 0 merges the weight maps (one file -> model.safetensors, several -> an
@@ -17,6 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_async.io_utils import replace_dir
+from megatron_async.learner.model import LearnerModel
 
 # HF files that are neither weights nor config.json: tokenizer and generation settings.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
@@ -28,7 +29,7 @@ def hf_side_files(hf_dir: Path) -> dict[str, Path]:
             if p.is_file() and p.name != "config.json" and not p.name.endswith(WEIGHT_SUFFIXES)}
 
 
-def _write_stage_shards(chunks, out: Path, stage: int) -> dict[str, str]:
+def _write_stage_shards(model: LearnerModel, out: Path, stage: int) -> dict[str, str]:
     """Stream this stage's HF tensors into size-capped safetensors files; returns name -> file."""
     from safetensors.torch import save_file
 
@@ -43,7 +44,7 @@ def _write_stage_shards(chunks, out: Path, stage: int) -> dict[str, str]:
         weight_map.update({n: fname for n in shard})
         shard, size, k = {}, 0, k + 1
 
-    for name, tensor in iter_hf_weights(chunks):
+    for name, tensor in iter_hf_weights(model):
         shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
         size += tensor.numel() * tensor.element_size()
         if size >= SHARD_BYTES:
@@ -53,14 +54,13 @@ def _write_stage_shards(chunks, out: Path, stage: int) -> dict[str, str]:
     return weight_map
 
 
-def export_hf(model_chunks: list, dst: str | os.PathLike, tokenizer_dir: str | os.PathLike,
+def export_hf(model: LearnerModel, dst: str | os.PathLike, tokenizer_dir: str | os.PathLike,
               hf_config: dict | None = None) -> Path:
     """Collective over all learner ranks. `hf_config` defaults to the one the model was built from."""
     from megatron.core import parallel_state as ps
 
     dst = Path(dst)
-    model = model_chunks[0]
-    hf_config = hf_config or getattr(model, "hf_config", None)
+    hf_config = hf_config or model.hf_config
     if hf_config is None:
         raise ValueError("export_hf: the model carries no HF config (built from a LlamaArch?); pass hf_config")
     tmp = dst.with_name(dst.name + ".tmp")
@@ -68,7 +68,7 @@ def export_hf(model_chunks: list, dst: str | os.PathLike, tokenizer_dir: str | o
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    weight_map = _write_stage_shards(model_chunks, tmp, ps.get_pipeline_model_parallel_rank())
+    weight_map = _write_stage_shards(model, tmp, ps.get_pipeline_model_parallel_rank())
     maps = [None] * dist.get_world_size()
     dist.all_gather_object(maps, weight_map)
     if dist.get_rank() == 0:

@@ -5,8 +5,8 @@ One path serves all: `forward_backward(model, microbatches, loss_fn)` runs megat
 the model's output into one number per token, then calls `loss_fn` on it. For the policy that is
 the logprob of each token, from the vocab-parallel logits with megatron's
 `vocab_parallel_cross_entropy` (full-vocabulary logits are never gathered); for a PPO value model
-(`learner.value`) it is the value of the state each token was generated from. The model decides
-which (`is_value_model`), so `learner.optimizer.train_step` serves both. `compute_logprobs` and
+(`learner.value`) it is the value of the state each token was generated from. The model's record
+decides which (`LearnerModel.value_head`), so `learner.optimizer.train_step` serves both. `compute_logprobs` and
 `compute_values` are `forward_backward` with a loss_fn that records the per-token output.
 
 Microbatch contract: a dict with
@@ -23,7 +23,7 @@ Logprobs are aligned with input_ids: `logprobs[:, t] = log p(input_ids[:, t] | i
 `logprobs[:, 0] = 0`, and positions where loss_mask is 0 are 0. Values likewise:
 `values[:, t] = V(input_ids[:, :t])`, the state token t was sampled in (TRL's alignment).
 
-Vocabulary padding (`learner.model.padded_vocab_size`): the logits have padded_vocab_size / TP
+Vocabulary padding (`LearnerModel.padded_vocab_size`): the logits have padded_vocab_size / TP
 columns per rank; those of the padding rows (>= the HF vocab_size) are set to -inf before the
 log-softmax (`mask_vocab_padding`), so logprobs over the real vocabulary are exactly an unpadded
 model's and the padding rows get no gradient.
@@ -37,8 +37,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_async.learner.model import unwrap_model, vocab_shard_real_rows
-from megatron_async.learner.value import is_value_model
+from megatron_async.learner.model import LearnerModel, unwrap_model, vocab_shard_real_rows
 
 LossFn = Callable[[torch.Tensor, dict], "tuple[torch.Tensor, dict]"]
 
@@ -136,7 +135,7 @@ def seq_multiple(chunks: list) -> int:
     return config.tensor_model_parallel_size if config.sequence_parallel else 1
 
 
-def _forward_step(data_iterator, model, *, loss_fn: LossFn, temperature: float, run_len: int):
+def _forward_step(data_iterator, model, *, loss_fn: LossFn, per_token: Callable, run_len: int):
     mb = next(data_iterator)
     device = next(model.parameters()).device
     mb = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
@@ -146,11 +145,6 @@ def _forward_step(data_iterator, model, *, loss_fn: LossFn, temperature: float, 
         tokens = torch.nn.functional.pad(tokens, (0, run_len - s))
     position_ids = torch.arange(run_len, device=device).expand(b, run_len)
     output = model(tokens, position_ids, _causal_mask(run_len, device))
-    if is_value_model(model):
-        per_token = token_values
-    else:
-        vocab = getattr(unwrap_model(model), "arch", None)
-        per_token = partial(token_logprobs, temperature=temperature, vocab_size=vocab and vocab.vocab_size)
     return output, partial(_loss_on_last_stage, mb, loss_fn=loss_fn, per_token=per_token)
 
 
@@ -197,7 +191,7 @@ def _reduce_metrics(store: list[dict], device) -> dict[str, float]:
     return metrics
 
 
-def forward_backward(model, microbatches: list[dict], loss_fn: LossFn, forward_only: bool = False,
+def forward_backward(model: LearnerModel, microbatches: list[dict], loss_fn: LossFn, forward_only: bool = False,
                      temperature: float = 1.0) -> dict[str, float]:
     """Run forward (and backward unless `forward_only`) over `microbatches` with megatron's schedule.
 
@@ -205,20 +199,22 @@ def forward_backward(model, microbatches: list[dict], loss_fn: LossFn, forward_o
     stage for each microbatch (a value model passes values [b, s] instead of logprobs). Gradients
     accumulate as the mean of the per-microbatch losses (and, under megatron DDP, over DP ranks).
     Returns the metrics averaged over microbatches and DP ranks, with the loss under "loss", on
-    EVERY rank. For training, `model` must be wrapped by `learner.optimizer.build_optimizer` (which
-    sets the grad-sync hooks); call `optimizer.step()` afterwards and zero the grads before the
-    next call.
+    EVERY rank. For training, `model` must be the record `learner.optimizer.build_optimizer`
+    returned (its chunks carry the grad-sync hooks); call `optimizer.step()` afterwards and zero
+    the grads before the next call.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    chunks = model if isinstance(model, list) else [model]
+    chunks = model.chunks
+    per_token = token_values if model.value_head else partial(
+        token_logprobs, temperature=temperature, vocab_size=model.arch.vocab_size)  # padding rows masked
     b, s = _check_microbatches(microbatches)
     multiple = seq_multiple(chunks)
     run_len = -(-s // multiple) * multiple
     grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
     with grad_ctx:
         store = get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, loss_fn=loss_fn, temperature=temperature, run_len=run_len),
+            forward_step_func=partial(_forward_step, loss_fn=loss_fn, per_token=per_token, run_len=run_len),
             data_iterator=iter(microbatches),
             model=chunks,
             num_microbatches=len(microbatches),
@@ -229,20 +225,20 @@ def forward_backward(model, microbatches: list[dict], loss_fn: LossFn, forward_o
     return _reduce_metrics(store, next(chunks[0].parameters()).device)
 
 
-def compute_logprobs(model, microbatches: list[dict], temperature: float = 1.0) -> list[torch.Tensor]:
+def compute_logprobs(model: LearnerModel, microbatches: list[dict], temperature: float = 1.0) -> list[torch.Tensor]:
     """Per-token logprobs ([b, s] float32 per microbatch, aligned with input_ids, masked by
     loss_mask) without gradients, on every rank (broadcast from the last pipeline stage)."""
     return _per_token_no_grad(model, microbatches, temperature, values=False)
 
 
-def compute_values(model, microbatches: list[dict]) -> list[torch.Tensor]:
+def compute_values(model: LearnerModel, microbatches: list[dict]) -> list[torch.Tensor]:
     """`compute_logprobs` for a value model (`learner.value`): per-token values V(input_ids[:, :t])."""
     return _per_token_no_grad(model, microbatches, 1.0, values=True)
 
 
-def _per_token_no_grad(model, microbatches: list[dict], temperature: float, values: bool) -> list[torch.Tensor]:
-    chunks = model if isinstance(model, list) else [model]
-    if is_value_model(chunks[0]) != values:
+def _per_token_no_grad(model: LearnerModel, microbatches: list[dict], temperature: float,
+                       values: bool) -> list[torch.Tensor]:
+    if model.value_head != values:
         raise TypeError(f"compute_{'values' if values else 'logprobs'} got a {'language' if values else 'value'} model")
     collected = []
 
@@ -251,7 +247,7 @@ def _per_token_no_grad(model, microbatches: list[dict], temperature: float, valu
         return per_token.new_zeros(()), {}
 
     forward_backward(model, microbatches, record, forward_only=True, temperature=temperature)
-    return share_with_pipeline(collected, microbatches, next(chunks[0].parameters()).device)
+    return share_with_pipeline(collected, microbatches, next(model.chunks[0].parameters()).device)
 
 
 def recording(loss_fn: LossFn, store: list) -> LossFn:

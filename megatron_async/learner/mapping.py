@@ -14,7 +14,7 @@ three can never disagree. Layouts (megatron-core 0.16, checked bit-exactly by th
 - Tied embeddings: `output_layer.weight` exists only on the last stage when PP > 1; it is loaded
   from `model.embed_tokens.weight` and never yielded (the first stage yields that).
 - Vocabulary padding (`learner.model.padded_vocab_size`): the embedding and output layer have
-  `model.padded_vocab_size` rows, the HF tensors `arch.vocab_size`. HF -> megatron appends ZERO
+  `LearnerModel.padded_vocab_size` rows, the HF tensors `arch.vocab_size`. HF -> megatron appends ZERO
   rows before splitting over TP (kind "vocab"); megatron -> HF cuts the gathered tensor back to
   vocab_size rows, so an HF export and the tensors synced to vLLM are exactly HF-shaped. Zeros,
   not megatron-LM's converters' copies of the last row or a small random init: the learner masks
@@ -40,7 +40,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_async.learner.model import LlamaArch, read_arch, unwrap_model as _unwrap
+from megatron_async.learner.model import LearnerModel, LlamaArch, read_arch, unwrap_model as _unwrap
 
 
 @dataclass(frozen=True)
@@ -260,7 +260,7 @@ def _tp():
 
 
 @torch.no_grad()
-def load_hf_weights(model_chunks: list, hf_dir: str | os.PathLike, score_head: bool = False) -> None:
+def load_hf_weights(model: LearnerModel, hf_dir: str | os.PathLike, score_head: bool = False) -> None:
     """Load an HF safetensors checkpoint into this rank's (TP/PP-sharded) model chunks.
 
     Validates names and shapes first (`validate_hf_checkpoint`), then streams: each parameter reads
@@ -270,20 +270,19 @@ def load_hf_weights(model_chunks: list, hf_dir: str | os.PathLike, score_head: b
     from safetensors import safe_open
 
     hf_dir = Path(hf_dir)
-    arch = _unwrap(model_chunks[0]).arch
+    arch = model.arch
     if read_arch(hf_dir) != arch:
         raise ValueError(f"{hf_dir}/config.json describes another architecture than the model:\n"
                          f"  checkpoint {read_arch(hf_dir)}\n  model      {arch}")
     files = validate_hf_checkpoint(hf_dir, arch, score_head)
     tp, rank, _ = _tp()
-    for chunk in model_chunks:
-        padded = getattr(_unwrap(chunk), "padded_vocab_size", arch.vocab_size)
+    for chunk in model.chunks:
         for mname, param, rule, prefix in _named_rules(chunk, arch, score_head):
             tensors = []
             for suffix in rule.hf:
                 with safe_open(str(files[prefix + suffix]), framework="pt") as fh:
                     tensors.append(fh.get_tensor(prefix + suffix))
-            shard = to_megatron_shard(tensors, rule, arch, tp, rank, padded)
+            shard = to_megatron_shard(tensors, rule, arch, tp, rank, model.padded_vocab_size)
             if shard.shape != param.shape:
                 raise ValueError(f"{mname}: shard built from {[prefix + s for s in rule.hf]} has shape "
                                  f"{list(shard.shape)}, the parameter has {list(param.shape)}")
@@ -291,7 +290,7 @@ def load_hf_weights(model_chunks: list, hf_dir: str | os.PathLike, score_head: b
 
 
 @torch.no_grad()
-def iter_hf_weights(model_chunks: list, hf_config=None, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(model: LearnerModel, hf_config=None, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full HF-layout tensor) for this pipeline stage's parameters, one at a time.
 
     Every rank of the stage must iterate it together: TP shards are all-gathered within the TP
@@ -308,13 +307,13 @@ def iter_hf_weights(model_chunks: list, hf_config=None, grads: bool = False) -> 
 
     if ps.get_data_parallel_rank() != 0:
         return
-    arch = _unwrap(model_chunks[0]).arch
+    arch = model.arch
     if hf_config is not None:
         other = hf_config if isinstance(hf_config, LlamaArch) else read_arch(hf_config)
         if other != arch:
             raise ValueError(f"hf_config describes another architecture than the model: {other} vs {arch}")
     tp, rank, group = _tp()
-    for chunk in model_chunks:
+    for chunk in model.chunks:
         for mname, param, rule, prefix in _named_rules(chunk, arch):
             if rule is _TIED_OUTPUT:
                 continue  # the first stage yields the shared embedding

@@ -147,6 +147,23 @@ def read_arch(hf_config: str | os.PathLike | dict) -> LlamaArch:
     )
 
 
+@dataclass
+class LearnerModel:
+    """This rank's model chunk(s) and what the learner's code needs to know of them, in one record
+    (`build_model` makes it; megatron's modules carry nothing of ours).
+
+    `chunks` are this rank's GPTModel pipeline stage(s) (one: no virtual pipeline), raw after
+    `build_model`, megatron-DDP-wrapped after `learner.optimizer.build_optimizer` (which returns
+    the record with its wrapped chunks); `unwrap_model` reaches the GPTModel either way."""
+
+    chunks: list
+    arch: LlamaArch  # the HF architecture (learner.mapping's names and shapes, checkpoints' check)
+    padded_vocab_size: int  # rows >= arch.vocab_size of the embedding and output layer are padding
+    perf: "ResolvedPerf"  # the performance settings it was built with (learner.optimizer: DDP overlap)
+    hf_config: dict | None  # the checkpoint's config.json (written into checkpoints and HF exports)
+    value_head: bool = False  # the output layer is a ValueHead (learner/value.py): a value model
+
+
 def unwrap_model(chunk):
     """The GPTModel inside megatron wrappers (DDP, Float16Module)."""
     while hasattr(chunk, "module"):
@@ -214,16 +231,16 @@ def transformer_config(arch: LlamaArch, tp: int = 1, pp: int = 1, dtype: torch.d
 
 def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dtype | None = None,
                 perf: "PerfSettings | ResolvedPerf | None" = None,
-                make_vocab_size_divisible_by: int = VOCAB_DIVISIBLE_BY) -> list:
-    """Build this rank's model chunk(s) (a one-element list: no virtual pipeline) with random
-    weights (the vocabulary's padding rows zero); load real ones with `learner.mapping.load_hf_weights`.
+                make_vocab_size_divisible_by: int = VOCAB_DIVISIBLE_BY) -> LearnerModel:
+    """Build this rank's model chunk(s) (one: no virtual pipeline) with random weights (the
+    vocabulary's padding rows zero); load real ones with `learner.mapping.load_hf_weights`.
 
     Needs `learner.parallel.init_parallel` first; TP/PP sizes come from megatron's parallel_state.
     `perf`: the performance settings (`learner.perf.PerfSettings.from_config(cfg.parallel)`; None =
-    auto), resolved here for this backend and layout and stored as `model.perf`, where
-    `learner.optimizer.build_optimizer` reads the DDP overlap settings.
+    auto), resolved here for this backend and layout (the record's `perf`, where
+    `learner.optimizer.build_optimizer` reads the DDP overlap settings).
     `make_vocab_size_divisible_by`: the vocabulary is padded to a multiple of it x TP (module
-    docstring); the padded size is stored as `model.padded_vocab_size`.
+    docstring; the record's `padded_vocab_size`).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -281,13 +298,9 @@ def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dt
             original_max_position_embeddings=rope["original_max_position_embeddings"],
         )
     _zero_vocab_padding(model, arch.vocab_size, vocab, tp)
-    model.arch = arch  # read by learner.mapping and learner.checkpoint
-    model.padded_vocab_size = vocab  # rows >= arch.vocab_size are padding (module docstring)
-    model.perf = perf  # read by learner.optimizer (DDP overlap, distributed optimizer)
-    model.hf_config = raw  # written into checkpoints, for the conversion back to HF
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
-    return [model]
+    return LearnerModel([model], arch, vocab, perf, raw)
 
 
 def vocab_shard_real_rows(vocab_size: int, padded: int, tp: int, rank: int) -> int:

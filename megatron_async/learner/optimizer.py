@@ -14,12 +14,14 @@ inside `step()`, so that norm is 0.0 there.)
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
 from megatron_async.learner.logprobs import LossFn, forward_backward
+from megatron_async.learner.model import LearnerModel
 
 
 @dataclass
@@ -46,49 +48,36 @@ class OptimSettings:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0 and decay_steps={self.decay_steps} >= 1")
 
 
-def _perf_of(model_chunks: list):
-    """The resolved `learner.perf` settings the chunks were built with (auto for older callers)."""
-    from megatron.core import parallel_state
-
-    from megatron_async.learner.model import unwrap_model
-    from megatron_async.learner.perf import Backend, resolve
-
-    model = unwrap_model(model_chunks[0])
-    perf = getattr(model, "perf", None)
-    if perf is None:
-        perf = resolve(None, Backend.detect(), tp=parallel_state.get_tensor_model_parallel_world_size(),
-                       dp=parallel_state.get_data_parallel_world_size())
-    return perf
-
-
-def wrap_ddp(model_chunks: list) -> list:
-    """Wrap model chunks in megatron DDP (grads in contiguous fp32 buffers, averaged over DP) and
-    register the grad-sync hooks that `get_forward_backward_func` calls on the model's config."""
+def wrap_ddp(model: LearnerModel) -> LearnerModel:
+    """The record with its chunks wrapped in megatron DDP (grads in contiguous fp32 buffers,
+    averaged over DP), the grad-sync hooks that `get_forward_backward_func` calls registered on the
+    model's config."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.utils import get_model_config
 
-    perf = _perf_of(model_chunks)
+    perf = model.perf
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=perf.overlap_grad_reduce,
         overlap_param_gather=perf.overlap_param_gather,
         use_distributed_optimizer=perf.distributed_optimizer,
     )
-    config = get_model_config(model_chunks[0])
-    wrapped = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=m) for m in model_chunks]
+    config = get_model_config(model.chunks[0])
+    wrapped = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=m) for m in model.chunks]
     config.no_sync_func = wrapped[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
-    return wrapped
+    return dataclasses.replace(model, chunks=wrapped)
 
 
-def build_optimizer(model_chunks: list, settings: OptimSettings):
-    """-> (ddp_chunks, optimizer, scheduler) for raw model chunks from `learner.model.build_model`."""
+def build_optimizer(model: LearnerModel, settings: OptimSettings):
+    """-> (the record with DDP-wrapped chunks, optimizer, scheduler) for a model from
+    `learner.model.build_model`."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    perf = _perf_of(model_chunks)
-    dtype = next(model_chunks[0].parameters()).dtype
-    ddp_chunks = wrap_ddp(model_chunks)
+    perf = model.perf
+    dtype = next(model.chunks[0].parameters()).dtype
+    ddp_model = wrap_ddp(model)
     config = OptimizerConfig(
         optimizer="adam",
         lr=settings.lr,
@@ -102,7 +91,7 @@ def build_optimizer(model_chunks: list, settings: OptimSettings):
         params_dtype=dtype,
         use_distributed_optimizer=perf.distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(config, ddp_chunks)
+    optimizer = get_megatron_optimizer(config, ddp_model.chunks)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if settings.warmup_steps else settings.lr,
@@ -116,7 +105,7 @@ def build_optimizer(model_chunks: list, settings: OptimSettings):
         wd_incr_steps=1,
         wd_incr_style="constant",
     )
-    return ddp_chunks, optimizer, scheduler
+    return ddp_model, optimizer, scheduler
 
 
 def grads_are_finite(ddp_chunks: list) -> bool:
@@ -152,7 +141,7 @@ def grads_are_finite(ddp_chunks: list) -> bool:
     return flag.item() == 0.0
 
 
-def train_step(ddp_chunks: list, optimizer, scheduler, microbatches: list[dict], loss_fn: LossFn,
+def train_step(model: LearnerModel, optimizer, scheduler, microbatches: list[dict], loss_fn: LossFn,
                sync_params: bool = True) -> dict[str, float]:
     """One optimizer step over `microbatches` (gradient accumulation across them).
 
@@ -165,10 +154,11 @@ def train_step(ddp_chunks: list, optimizer, scheduler, microbatches: list[dict],
     (`parallel.overlap_param_gather`) to the next forward pass, which then overlaps it; only for a
     step that another training step follows before anything reads the weights.
     """
+    ddp_chunks = model.chunks  # wrapped by build_optimizer
     for chunk in ddp_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    metrics = forward_backward(ddp_chunks, microbatches, loss_fn)
+    metrics = forward_backward(model, microbatches, loss_fn)
     lr = float(optimizer.param_groups[0]["lr"])
     # The loss is the same on every rank (broadcast); the gradient check is all-reduced: every rank
     # takes the same decision. The collective runs on every rank whatever the loss.
@@ -181,7 +171,7 @@ def train_step(ddp_chunks: list, optimizer, scheduler, microbatches: list[dict],
         grad_norm = optimizer.get_grad_norm()  # .grad holds the main grads after step()
     if ok:
         scheduler.step(increment=1)
-        if sync_params and _perf_of(ddp_chunks).overlap_param_gather:
+        if sync_params and model.perf.overlap_param_gather:
             for chunk in ddp_chunks:  # weights are read right after a step (sync, checkpoint, export)
                 chunk.start_param_sync(force_sync=True)
     metrics.update(grad_norm=float(grad_norm), lr=lr, skipped=0.0 if ok else 1.0)

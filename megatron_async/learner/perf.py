@@ -1,8 +1,8 @@
 """The learner's GPU performance settings: which megatron-core features are on, and why.
 
     perf = PerfSettings.from_config(cfg.parallel)        # None = auto for each key
-    chunks = build_model(hf_dir, perf=perf)              # resolved once, stored on the model
-    ddp, optimizer, scheduler = build_optimizer(chunks, settings)   # reads the model's settings
+    model = build_model(hf_dir, perf=perf)               # resolved once, kept in the LearnerModel record
+    ddp, optimizer, scheduler = build_optimizer(model, settings)    # reads the record's settings
 
 Each key is tri-state: True (on; an error naming the key if it cannot work here), False (off),
 None (auto: on where megatron-core 0.16.1 supports it with our model, off otherwise, and always

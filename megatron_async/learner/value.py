@@ -1,8 +1,8 @@
 """The PPO value model: the policy's megatron-core GPTModel with a scalar head instead of the LM head.
 
-    chunks = build_value_model(init_model)      # this rank's stage, the policy's initial trunk, zero head
-    chunks = build_value_model(rm_dir, from_reward_model=True)   # the reward model's trunk and head
-    ddp, optimizer, scheduler = learner.optimizer.build_optimizer(chunks, settings)
+    model = build_value_model(init_model)      # this rank's stage, the policy's initial trunk, zero head
+    model = build_value_model(rm_dir, from_reward_model=True)   # the reward model's trunk and head
+    ddp, optimizer, scheduler = learner.optimizer.build_optimizer(model, settings)
     values = learner.logprobs.compute_values(ddp, microbatches)   # [b, s] per microbatch
 
 Design: the same `GPTModel` as the policy (built and loaded by `learner.model.build_model` and
@@ -31,9 +31,11 @@ its own weights), so no embedding gradient is all-reduced between pipeline stage
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from megatron_async.learner.model import VOCAB_DIVISIBLE_BY, build_model, unwrap_model
+from megatron_async.learner.model import VOCAB_DIVISIBLE_BY, LearnerModel, build_model
 
 
 class ValueHead(torch.nn.Module):
@@ -55,28 +57,23 @@ class ValueHead(torch.nn.Module):
 
 
 def build_value_model(hf_dir, from_reward_model: bool = False, perf=None,
-                      make_vocab_size_divisible_by: int = VOCAB_DIVISIBLE_BY) -> list:
-    """This rank's value-model chunks: the trunk of the HF checkpoint `hf_dir` and a `ValueHead` on
-    the last stage, zero, or with `from_reward_model` (a one-label sequence classifier) its `score.weight`.
-    `perf`, `make_vocab_size_divisible_by`: as for `learner.model.build_model` (the policy's settings;
-    the embedding is padded like the policy's)."""
+                      make_vocab_size_divisible_by: int = VOCAB_DIVISIBLE_BY) -> LearnerModel:
+    """This rank's value model (`value_head` set): the trunk of the HF checkpoint `hf_dir` and a
+    `ValueHead` on the last stage, zero, or with `from_reward_model` (a one-label sequence
+    classifier) its `score.weight`. `perf`, `make_vocab_size_divisible_by`: as for
+    `learner.model.build_model` (the policy's settings; the embedding is padded like the policy's)."""
     from megatron_async.learner.mapping import load_hf_weights
 
-    chunks = build_model(hf_dir, perf=perf, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    model = build_model(hf_dir, perf=perf, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     if not from_reward_model:
-        load_hf_weights(chunks, hf_dir)  # before the swap: the policy's checkpoint has an LM head, not ours
-    for model in chunks:
-        model.share_embeddings_and_output_weights = False
-        if model.post_process:
-            p = next(model.parameters())
-            model.output_layer = ValueHead(model.config.hidden_size, p.dtype, p.device,
-                                           sequence_parallel=model.config.sequence_parallel)
-        model.value_model = True  # read by `is_value_model` on every stage
+        load_hf_weights(model, hf_dir)  # before the swap: the policy's checkpoint has an LM head, not ours
+    for chunk in model.chunks:
+        chunk.share_embeddings_and_output_weights = False
+        if chunk.post_process:
+            p = next(chunk.parameters())
+            chunk.output_layer = ValueHead(chunk.config.hidden_size, p.dtype, p.device,
+                                           sequence_parallel=chunk.config.sequence_parallel)
+    model = dataclasses.replace(model, value_head=True)
     if from_reward_model:
-        load_hf_weights(chunks, hf_dir, score_head=True)  # after the swap: score.weight -> the head
-    return chunks
-
-
-def is_value_model(chunk) -> bool:
-    """True for chunks from `build_value_model` (also when wrapped by megatron DDP)."""
-    return getattr(unwrap_model(chunk), "value_model", False)
+        load_hf_weights(model, hf_dir, score_head=True)  # after the swap: score.weight -> the head
+    return model

@@ -48,13 +48,12 @@ class RolloutBatch:
     """One generation batch: prompts x K completions with rewards, as the learner receives it."""
 
     index: int  # learner step that trains on it
-    policy_version: int  # the oldest weights any of its tokens was sampled under (>= v(index))
-    problems: list  # data.problem.Problem per prompt
-    completions: list  # per prompt: K completion records from the pool
-    rewards: list  # per prompt: K floats, or None where scoring failed (never a silent 0)
+    policy_version: int  # the oldest weights any of its tokens was sampled under, as the replicas reported
+    problems: list[Problem]  # one per prompt
+    completions: list[list[Completion]]  # per prompt: its K completions from the pool
+    rewards: list[list[float | None]]  # per prompt: K rewards, None where scoring failed (never a silent 0)
     reward_errors: int = 0
     reward_timeouts: int = 0
-    dropped_prompts: int = 0  # too-long prompts dropped (data.on_long_prompt=drop)
     gen_seconds: float = 0.0  # wall time of generation (replicas busy)
     score_seconds: float = 0.0
     data_state: dict = field(default_factory=dict)  # prompt iterator state after this batch
@@ -169,10 +168,11 @@ class RolloutProducer:
                     assert version <= index, f"replicas hold v{version}, newer than batch {index}"
                 self.idle_seconds += time.monotonic() - t0 if index > 0 else 0.0
                 batch = self.make_batch(index)
-                if self.updates_during_generation:  # make_batch gives its completions' oldest version
-                    assert batch.policy_version >= version, f"batch {index}: tokens of v{batch.policy_version} < v{version}"
-                else:  # the replicas' weights never change under a running batch
-                    batch.policy_version = version
+                # its completions' oldest version: never older than the one it was admitted under
+                # (the replicas held it when the batch started; one re-synced meanwhile holds a newer one)
+                if batch.policy_version < version:
+                    raise RuntimeError(f"batch {index}: completions of policy version {batch.policy_version}, "
+                                       f"older than v{version}, which every replica held when it was admitted")
                 with self._cond:
                     self._ready[index] = batch
                     self._next = index + 1

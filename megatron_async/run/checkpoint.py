@@ -67,9 +67,9 @@ def save_run_checkpoint(cfg: Config, learner: LearnerState, ctrl: dist.ProcessGr
     parts = {}
     if learner.value is not None:  # PPO: saved complete first, then moved into the run checkpoint
         v = learner.value
-        parts["value"] = save_checkpoint(root / VALUE_STAGING, v.chunks, v.optimizer, v.scheduler)
+        parts["value"] = save_checkpoint(root / VALUE_STAGING, v.model, v.optimizer, v.scheduler)
     p = learner.policy
-    save_checkpoint(path, p.chunks, p.optimizer, p.scheduler,
+    save_checkpoint(path, p.model, p.optimizer, p.scheduler,
                     extra={"next_step": next_step, "version": learner.version}, files=files, parts=parts)
     if rank0:
         shutil.rmtree(tmpdir, ignore_errors=True)
@@ -94,13 +94,13 @@ def load_run_checkpoint(cfg: Config, learner: LearnerState, path: Path, rollout:
     """All ranks: restore the learner state, and rank 0's `rollout` and `report` where given (before
     the producer starts). Returns the next learner step (= the policy version the checkpoint holds)."""
     p = learner.policy
-    extra = load_checkpoint(path, p.chunks, p.optimizer, p.scheduler)
+    extra = load_checkpoint(path, p.model, p.optimizer, p.scheduler)
     if learner.value is not None:
         if not (path / "value").is_dir():
             raise ValueError(f"{path} has no value model (value/): it was not saved by a run with a value model, "
                              f"so trainer.algorithm={cfg.trainer.algorithm} cannot resume from it")
         v = learner.value
-        load_checkpoint(path / "value", v.chunks, v.optimizer, v.scheduler)
+        load_checkpoint(path / "value", v.model, v.optimizer, v.scheduler)
     state = json.loads((path / ROLLOUT_STATE).read_text())
     if state["next_step"] != extra["next_step"]:
         raise ValueError(f"{path}: {ROLLOUT_STATE} is for step {state['next_step']}, the learner state for {extra['next_step']}")

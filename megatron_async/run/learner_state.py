@@ -23,7 +23,7 @@ from megatron_async.algorithms.batching import Sample
 from megatron_async.config import Config, ConfigError
 from megatron_async.learner.logprobs import compute_logprobs, compute_values, recording, share_with_pipeline
 from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
-from megatron_async.learner.model import build_model, read_arch
+from megatron_async.learner.model import LearnerModel, build_model, read_arch
 from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
 from megatron_async.learner.parallel import ParallelLayout
 from megatron_async.learner.perf import PerfSettings
@@ -40,16 +40,16 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Trainable:
-    """Model chunks (megatron DDP-wrapped) with their optimizer and LR schedule."""
+    """A model (its chunks megatron-DDP-wrapped) with its optimizer and LR schedule."""
 
-    chunks: list
+    model: LearnerModel
     optimizer: MegatronOptimizer
     scheduler: OptimizerParamScheduler
 
     def train_step(self, microbatches: list[dict], loss_fn, sync_params: bool = True) -> dict[str, float]:
         """One optimizer step over `microbatches` (`learner.optimizer.train_step`; `sync_params=False`
         leaves an overlapped parameter gather running into the next step)."""
-        return train_step(self.chunks, self.optimizer, self.scheduler, microbatches, loss_fn, sync_params=sync_params)
+        return train_step(self.model, self.optimizer, self.scheduler, microbatches, loss_fn, sync_params=sync_params)
 
 
 @dataclass
@@ -58,7 +58,7 @@ class LearnerState:
     layout: ParallelLayout
     algorithm: Algorithm
     policy: Trainable
-    reference: list  # frozen model chunks: the policy RL started from
+    reference: LearnerModel  # frozen: the policy RL started from
     value: Trainable | None  # PPO's value model (learner/value.py); None for algorithms without one
     pad_id: int
     version: int = 0  # policy version of the weights = learner steps done
@@ -81,16 +81,16 @@ class LearnerState:
         load_hf_weights(policy, init_model)
         reference = build_model(init_model, perf=perf, make_vocab_size_divisible_by=vocab_pad)
         load_hf_weights(reference, init_model)
-        for chunk in reference:
+        for chunk in reference.chunks:
             chunk.requires_grad_(False)
             chunk.eval()
         value = None
         if algorithm.value_model:  # starts from the reward model if there is one, else the policy
-            chunks = build_value_model(cfg.reward.model_path if value_from_rm else init_model,
+            value_model = build_value_model(cfg.reward.model_path if value_from_rm else init_model,
                                        from_reward_model=value_from_rm, perf=perf,
                                        make_vocab_size_divisible_by=vocab_pad)
             value_lr = t.value_lr or t.lr  # the policy's schedule shape, scaled to value_lr
-            value = Trainable(*build_optimizer(chunks, dataclasses.replace(settings, lr=value_lr,
+            value = Trainable(*build_optimizer(value_model, dataclasses.replace(settings, lr=value_lr,
                                                                            min_lr=t.min_lr * value_lr / t.lr)))
         return cls(cfg, layout, algorithm, Trainable(*build_optimizer(policy, settings)), reference, value, pad_id)
 
@@ -99,19 +99,19 @@ class LearnerState:
         return compute_logprobs(self.reference, microbatches)
 
     def policy_logprobs(self, microbatches: list[dict]) -> list[torch.Tensor]:
-        return compute_logprobs(self.policy.chunks, microbatches)
+        return compute_logprobs(self.policy.model, microbatches)
 
     def values(self, microbatches: list[dict]) -> list[torch.Tensor]:
-        return compute_values(self.value.chunks, microbatches)
+        return compute_values(self.value.model, microbatches)
 
     # -- one learner step ------------------------------------------------------------------------
     def step(self, batch: RolloutBatch, step: int, updates: int) -> dict[str, float]:
         """Train on batch `step`: N minibatches (optimizer steps) x T = `updates` passes. Same on every rank."""
         t, algo = self.cfg.trainer, self.algorithm
-        algo.k = batch.k  # K of this batch (trainer.auto_balance may change it between batches)
+        k = batch.k  # K of this batch (trainer.auto_balance may change it between batches)
         samples = [Sample.from_completion(c, r) for comps, rewards in zip(batch.completions, batch.rewards)
                    for c, r in zip(comps, rewards) if r is not None]
-        rows, metrics = algo.select(samples)
+        rows, metrics = algo.select(samples, k)
         versions = [s.version for s in samples]
         metrics.update({"rollout/lag_mean": step - sum(versions) / max(1, len(versions)),
                         "rollout/lag_max": float(step - min(versions, default=step)),
@@ -122,15 +122,15 @@ class LearnerState:
             return metrics
         # N minibatches per batch; within each, this DP rank's share. Units (a DPO pair, a group of
         # K) are never split.
-        parts = [dp_shard(part, algo.unit, self.layout.dp, self.layout.dp_rank)
-                 for part in split_units(rows, algo.unit, t.minibatches)]
+        parts = [dp_shard(part, algo.unit(k), self.layout.dp, self.layout.dp_rank)
+                 for part in split_units(rows, algo.unit(k), t.minibatches)]
         metrics.update({"train/rows": float(len(rows)), "train/rows_this_dp_rank": float(sum(map(len, parts))),
                         # prompt + completion tokens, counted once per pass (not the microbatches' padding)
                         "train/tokens": float(updates * sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows))})
         minibatches = [algo.microbatches(part, self.pad_id, t.micro_batch_size, self.layout.device) for part in parts]
         # One optimizer step: the staleness monitor reads the learner's logprobs off its training forward
         old_from_training = algo.monitor_from_training(minibatches, updates)
-        metrics.update({key: float(v) for key, v in algo.prepare(minibatches, self, old_from_training).items()})
+        metrics.update({key: float(v) for key, v in algo.prepare(minibatches, self, k, old_from_training).items()})
         loss_fn = faults.poison_loss_at(step, algo.loss)
         trained_logprobs: list[torch.Tensor] = []
         if old_from_training:
@@ -152,7 +152,7 @@ class LearnerState:
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's policy weights under HF names and layouts (TP-gathered), for the weight push."""
-        return iter_hf_weights([c.module for c in self.policy.chunks])
+        return iter_hf_weights(self.policy.model)
 
 
 def check_value_model_source(cfg: Config, init_model: Path) -> None:

@@ -48,15 +48,15 @@ def run_sft(cfg: Config, base: Path, tokenizer, layout: ParallelLayout, tracker)
         log.info("SFT model found at %s: reusing it", out)
         return out
     s = cfg.sft
-    chunks = build_model(base, perf=PerfSettings.from_config(cfg.parallel),
-                         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
-    load_hf_weights(chunks, base)
+    model = build_model(base, perf=PerfSettings.from_config(cfg.parallel),
+                        make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+    load_hf_weights(model, base)
     settings = OptimSettings(lr=s.lr, min_lr=s.lr / 10, clip_grad=1.0, warmup_steps=min(20, s.steps // 10),
                              decay_steps=max(1, s.steps - min(20, s.steps // 10)), decay_style="cosine")
-    policy, optimizer, scheduler = build_optimizer(chunks, settings)
+    policy, optimizer, scheduler = build_optimizer(model, settings)
     prompts, _ = load_train_prompts(cfg, tokenizer)
     data = PromptIterator(prompts, seed=cfg.run.seed + 1)
-    nll = BestOfKSFT(cfg.trainer, k=1)  # its loss and microbatching; no reference model (no KL term)
+    nll = BestOfKSFT(cfg.trainer)  # its loss and microbatching; no reference model (no KL term)
     bar = tqdm(range(s.steps), desc="SFT", disable=layout.rank != 0, mininterval=2)
     for step in bar:
         rows = sft_rows(data.take(s.batch_size), tokenizer)
@@ -65,6 +65,6 @@ def run_sft(cfg: Config, base: Path, tokenizer, layout: ParallelLayout, tracker)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
         if step % 10 == 0 or step == s.steps - 1:
             tracker.log_metrics({"sft/loss": metrics["loss"], "sft/lr": metrics["lr"]}, step=step)
-    export_hf([c.module for c in policy], out, tokenizer_dir=base)
+    export_hf(policy, out, tokenizer_dir=base)
     log.info("SFT done (%d steps, final loss %.3f): %s", s.steps, metrics["loss"], out)
     return out

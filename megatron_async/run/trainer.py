@@ -148,7 +148,7 @@ class Trainer:
                 path = saved or self._checkpoint(next_step=step + 1)
                 raise RuntimeError(f"{stop}; stopping. The last good weights are in {path}")
         after = self._evaluate("after")
-        export_hf([c.module for c in self.learner.policy.chunks], cfg.run_dir / "hf_final", tokenizer_dir=self.init_model)
+        export_hf(self.learner.policy.model, cfg.run_dir / "hf_final", tokenizer_dir=self.init_model)
         if self.rollout is not None:
             self.report.finish(before, after, len(self.rollout.eval_prompts), latest_checkpoint(cfg))
 

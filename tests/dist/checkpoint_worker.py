@@ -25,9 +25,9 @@ def setup(hf_dir):
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer
     from megatron_async.learner.mapping import load_hf_weights
 
-    chunks = build_model(hf_dir)
-    load_hf_weights(chunks, hf_dir)
-    return build_optimizer(chunks, OptimSettings(**SETTINGS))
+    model = build_model(hf_dir)
+    load_hf_weights(model, hf_dir)
+    return build_optimizer(model, OptimSettings(**SETTINGS))
 
 
 def second_step(ddp, opt, sched, vocab, out: Path):
@@ -67,7 +67,7 @@ if __name__ == "__main__":
     try:
         a.out.mkdir(parents=True, exist_ok=True)
         ddp, opt, sched = setup(a.hf)
-        vocab = ddp[0].module.arch.vocab_size
+        vocab = ddp.arch.vocab_size
         if a.phase == "save":
             train_step(ddp, opt, sched, batches(vocab, seed=0), nll)
             save_checkpoint(a.ckpt, ddp, opt, sched, extra={"step": 1})

@@ -31,8 +31,8 @@ if __name__ == "__main__":
             completion = torch.randint(3, 300, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()
             samples.append(Sample(prompt_index=p, prompt_ids=prompt, completion_ids=completion, logprobs=None,
                                   reward=reward, version=0))
-    dpo = OnlineDPO(TrainerConfig(beta=0.1), k=2)
-    rows, _ = dpo.select(samples)
+    dpo = OnlineDPO(TrainerConfig(beta=0.1))
+    rows, _ = dpo.select(samples, 2)
     mbs = dpo.microbatches(rows, pad_id=0, micro_batch_size=6)
     policy, reference = build_model(model_dir), build_model(model_dir)
     load_hf_weights(policy, model_dir)

@@ -37,12 +37,12 @@ def tf32_off() -> dict:
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def logits_of(chunks, ids):
+def logits_of(model, ids):
     """TP=1 logits over the HF vocabulary (the learner's padding columns cut off)."""
     b, s = ids.shape
     mask = torch.ones(s, s, dtype=torch.bool, device=ids.device).triu(1).view(1, 1, s, s)
-    out = chunks[0](ids, torch.arange(s, device=ids.device).expand(b, s), mask).float()
-    return out[..., :chunks[0].arch.vocab_size]
+    out = model.chunks[0](ids, torch.arange(s, device=ids.device).expand(b, s), mask).float()
+    return out[..., :model.arch.vocab_size]
 
 
 def parity(src: Path) -> dict:
@@ -57,13 +57,13 @@ def parity(src: Path) -> dict:
     with torch.no_grad():
         ref = hf(ids).logits
         for dtype in (torch.float32, torch.bfloat16):
-            chunks = build_model(src, dtype=dtype)
-            load_hf_weights(chunks, src)
+            model = build_model(src, dtype=dtype)
+            load_hf_weights(model, src)
             key = str(dtype).removeprefix("torch.")
-            out[f"{key}_max_diff"] = (logits_of(chunks, ids) - ref).abs().max().item()
-            out[f"{key}_qkv_module"] = type(chunks[0].decoder.layers[0].self_attention.linear_qkv).__name__
-            out[f"{key}_names"] = sorted(n for n, _ in iter_hf_weights(chunks))
-            out[f"{key}_perf"] = chunks[0].perf.to_dict()
+            out[f"{key}_max_diff"] = (logits_of(model, ids) - ref).abs().max().item()
+            out[f"{key}_qkv_module"] = type(model.chunks[0].decoder.layers[0].self_attention.linear_qkv).__name__
+            out[f"{key}_names"] = sorted(n for n, _ in iter_hf_weights(model))
+            out[f"{key}_perf"] = model.perf.to_dict()
     out["logit_scale"] = ref.abs().max().item()
     return out
 
@@ -77,14 +77,14 @@ def train(src: Path) -> dict:
     from megatron_async.learner.model import build_model
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
 
-    chunks = build_model(src)  # bf16 on GPU
-    load_hf_weights(chunks, src)
-    ddp, opt, sched = build_optimizer(chunks, OptimSettings(lr=1e-3))
+    model = build_model(src)  # bf16 on GPU
+    load_hf_weights(model, src)
+    ddp, opt, sched = build_optimizer(model, OptimSettings(lr=1e-3))
     mbs = batches(320)
     steps = [train_step(ddp, opt, sched, mbs, nll) for _ in range(4)]
-    return {"dtype": str(next(chunks[0].parameters()).dtype), "optimizer": _optimizer_name(opt),
+    return {"dtype": str(next(model.chunks[0].parameters()).dtype), "optimizer": _optimizer_name(opt),
             "losses": [m["loss"] for m in steps], "grad_norms": [m["grad_norm"] for m in steps],
-            "skipped": [m["skipped"] for m in steps], "perf": chunks[0].perf.to_dict()}
+            "skipped": [m["skipped"] for m in steps], "perf": model.perf.to_dict()}
 
 
 def checkpoint(src: Path, work: Path) -> dict:
@@ -98,9 +98,9 @@ def checkpoint(src: Path, work: Path) -> dict:
     settings = OptimSettings(lr=1e-3, min_lr=1e-4, warmup_steps=2, decay_steps=10, decay_style="cosine")
 
     def fresh():
-        chunks = build_model(src)
-        load_hf_weights(chunks, src)
-        return build_optimizer(chunks, settings)
+        model = build_model(src)
+        load_hf_weights(model, src)
+        return build_optimizer(model, settings)
 
     ckpt = work / "ckpt"
     ddp, opt, sched = fresh()
@@ -128,15 +128,15 @@ def export(src: Path, work: Path) -> dict:
     from megatron_async.learner.mapping import load_hf_weights
     from megatron_async.learner.model import build_model
 
-    chunks = build_model(src)
-    load_hf_weights(chunks, src)
-    dst = export_hf(chunks, work / "hf_export", tokenizer_dir=src)
+    model = build_model(src)
+    load_hf_weights(model, src)
+    dst = export_hf(model, work / "hf_export", tokenizer_dir=src)
     exported, source = load_file(str(dst / "model.safetensors")), load_file(str(src / "model.safetensors"))
-    dtype = next(chunks[0].parameters()).dtype
+    dtype = next(model.chunks[0].parameters()).dtype
     ids = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     hf = AutoModelForCausalLM.from_pretrained(str(dst), dtype=dtype).to(DEVICE).eval()
     with torch.no_grad():
-        ours, theirs = logits_of(chunks, ids), hf(ids).logits.float()
+        ours, theirs = logits_of(model, ids), hf(ids).logits.float()
     return {"config_dtype": json.loads((dst / "config.json").read_text()).get("dtype"),
             "names_match": sorted(exported) == sorted(source),
             "model_dtype": str(dtype), "exported_dtypes": sorted({str(t.dtype) for t in exported.values()}),

@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 
 
-def megatron_logits(chunks, ids):
+def megatron_logits(model, ids):
     """TP=1 logits over the HF vocabulary (the learner's padding columns cut off)."""
     b, s = ids.shape
     mask = torch.ones(s, s, dtype=torch.bool).triu(1).view(1, 1, s, s)
-    return chunks[0](ids, torch.arange(s).expand(b, s), mask)[..., :chunks[0].arch.vocab_size]
+    return model.chunks[0](ids, torch.arange(s).expand(b, s), mask)[..., :model.arch.vocab_size]
 
 
 def compare(src: Path) -> dict:
@@ -27,14 +27,14 @@ def compare(src: Path) -> dict:
     from megatron_async.learner.model import build_model
     from megatron_async.learner.mapping import load_hf_weights
 
-    chunks = build_model(src)
-    load_hf_weights(chunks, src)
-    vocab = chunks[0].arch.vocab_size
+    model = build_model(src)
+    load_hf_weights(model, src)
+    vocab = model.arch.vocab_size
     ids = torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(0))
     hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(ids).logits
-        got = megatron_logits(chunks, ids)
+        got = megatron_logits(model, ids)
     result = {"max_diff": (ref - got).abs().max().item(), "logit_scale": ref.abs().max().item()}
     cfg = AutoConfig.from_pretrained(str(src))
     rope = getattr(cfg, "rope_parameters", None) or {}
@@ -43,7 +43,7 @@ def compare(src: Path) -> dict:
         plain = AutoModelForCausalLM.from_pretrained(str(src), config=cfg, dtype=torch.float32).eval()
         with torch.no_grad():
             result["unscaled_diff"] = (plain(ids).logits - ref).abs().max().item()
-    del chunks
+    del model
     return result
 
 

@@ -29,20 +29,21 @@ def nll(logprobs, mb):
     return -(logprobs * mask).sum() / mask.sum(), {"tokens": mask.sum()}
 
 
-def full_logits(chunks, ids):
+def full_logits(model, ids):
     """Full-vocabulary logits through the pipeline schedule, gathered over TP (last stage only),
     the learner's vocabulary padding cut off (its padded size depends on TP)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    def step(_, model):
+    vocab = model.arch.vocab_size
+
+    def step(_, chunk):
         b, s = ids.shape
-        out = model(ids, torch.arange(s).expand(b, s), torch.ones(s, s, dtype=torch.bool).triu(1).view(1, 1, s, s))
-        vocab = chunks[0].arch.vocab_size
+        out = chunk(ids, torch.arange(s).expand(b, s), torch.ones(s, s, dtype=torch.bool).triu(1).view(1, 1, s, s))
         return out, lambda x: (x.new_zeros(()), {"logits": gather_from_tensor_model_parallel_region(x)[..., :vocab]})
 
     with torch.no_grad():
-        store = get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=chunks,
+        store = get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=model.chunks,
                                             num_microbatches=1, seq_length=ids.shape[1], micro_batch_size=ids.shape[0],
                                             forward_only=True)
     return store[0]["logits"] if store else None
@@ -57,23 +58,23 @@ def run_model(src: Path, out: Path, tp: int):
     from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
 
     name = src.name
-    chunks = build_model(src)
-    load_hf_weights(chunks, src)
+    model = build_model(src)
+    load_hf_weights(model, src)
     ref = load_file(str(src / "model.safetensors"))
-    for hf_name, t in iter_hf_weights(chunks):
+    for hf_name, t in iter_hf_weights(model):
         assert torch.equal(t, ref[hf_name]), f"round trip differs for {hf_name}"
 
-    mbs = batches(chunks[0].arch.vocab_size)
+    mbs = batches(model.arch.vocab_size)
     source = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     last = ps.is_pipeline_last_stage()
-    logits = full_logits(chunks, mbs[0]["input_ids"])
-    logprobs = compute_logprobs(chunks, mbs)
+    logits = full_logits(model, mbs[0]["input_ids"])
+    logprobs = compute_logprobs(model, mbs)
     if last and source:
         torch.save({"logits": logits, "logprobs": logprobs}, out / f"{name}_fwd.pt")
     if torch.distributed.get_rank() == 0:  # logprobs reach every rank
         torch.save(logprobs, out / f"{name}_logprobs_rank0.pt")
 
-    ddp, opt, sched = build_optimizer(chunks, OptimSettings(lr=1e-3, adam_eps=1e-6, clip_grad=0.5))
+    ddp, opt, sched = build_optimizer(model, OptimSettings(lr=1e-3, adam_eps=1e-6, clip_grad=0.5))
     metrics = train_step(ddp, opt, sched, mbs, nll)
     grads = {k: v.clone() for k, v in iter_hf_weights(ddp, grads=True)}
     weights = {k: v.clone() for k, v in iter_hf_weights(ddp)}

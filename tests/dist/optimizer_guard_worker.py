@@ -84,27 +84,27 @@ def run(src: Path, out: Path) -> dict:
     from megatron_async.learner.model import build_model, unwrap_model
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
 
-    chunks = build_model(src)
-    load_hf_weights(chunks, src)
+    model = build_model(src)
+    load_hf_weights(model, src)
     # linear decay: the LR moves with every step taken, so a skipped step that advanced the
     # schedule would show; clip far above the norm, so main grads stay unclipped for the check
-    ddp, opt, sched = build_optimizer(chunks, OptimSettings(lr=1e-3, decay_steps=10, decay_style="linear",
+    ddp, opt, sched = build_optimizer(model, OptimSettings(lr=1e-3, decay_steps=10, decay_style="linear",
                                                             clip_grad=1e6, adam_eps=1e-6))
-    mbs = batches(chunks[0].arch.vocab_size)
+    mbs = batches(model.arch.vocab_size)
     # this rank's own shards (iter_hf_weights would yield the full tensors on TP rank 0 only)
-    weights = lambda: {n: p.detach().clone() for c in ddp for n, p in c.named_parameters()}  # noqa: E731
+    weights = lambda: {n: p.detach().clone() for c in ddp.chunks for n, p in c.named_parameters()}  # noqa: E731
     schedule = lambda: {"num_steps": sched.num_steps, "lr": opt.param_groups[0]["lr"]}  # noqa: E731
     r = {"rank": torch.distributed.get_rank(), "tp_rank": ps.get_tensor_model_parallel_rank()}
 
     r["normal"] = train_step(ddp, opt, sched, mbs, nll)
-    r["main_grad_norm"] = main_grad_norm(ddp)
+    r["main_grad_norm"] = main_grad_norm(ddp.chunks)
     w0, o0, s0 = weights(), optimizer_state(opt), schedule()
     r["adam_state_entries"] = len(o0)
 
-    target = unwrap_model(ddp[0]).decoder.layers[0].mlp.linear_fc2.weight
+    target = unwrap_model(ddp.chunks[0]).decoder.layers[0].mlp.linear_fc2.weight
     hook = target.register_hook(lambda g: torch.full_like(g, math.inf)) if r["tp_rank"] == 0 else None
     r["inf_one_rank"] = train_step(ddp, opt, sched, mbs, nll)
-    r["inf_one_rank_local_finite"] = local_grads_finite(ddp)
+    r["inf_one_rank_local_finite"] = local_grads_finite(ddp.chunks)
     if hook is not None:
         hook.remove()
     r["nan_grad"] = train_step(ddp, opt, sched, mbs, nan_grad_nll)

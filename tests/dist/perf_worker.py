@@ -60,17 +60,17 @@ def padding(src: Path) -> dict:
     from megatron_async.learner.model import build_model
     from megatron_async.learner.value import build_value_model
 
-    chunks = build_model(src)
-    load_hf_weights(chunks, src)
+    model = build_model(src)
+    load_hf_weights(model, src)
     values = build_value_model(src)
-    head = values[0].output_layer
+    head = values.chunks[0].output_layer
     with torch.no_grad():
         head.weight.copy_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(0)))
-    mbs = batches(chunks[0].arch.vocab_size)  # [2, 12]: 12 is not a multiple of 5
+    mbs = batches(model.arch.vocab_size)  # [2, 12]: 12 is not a multiple of 5
 
     def run():
-        return {"logprobs": lp.compute_logprobs(chunks, mbs), "values": lp.compute_values(values, mbs),
-                "loss": lp.forward_backward(chunks, mbs, nll, forward_only=True)["loss"]}
+        return {"logprobs": lp.compute_logprobs(model, mbs), "values": lp.compute_values(values, mbs),
+                "loss": lp.forward_backward(model, mbs, nll, forward_only=True)["loss"]}
 
     plain = run()
     real = lp.seq_multiple
@@ -95,14 +95,14 @@ def overlap(src: Path) -> dict:
 
     out = {}
     for on in (False, True):
-        chunks = build_model(src, perf=PerfSettings(overlap_grad_reduce=on))
-        load_hf_weights(chunks, src)
-        ddp, opt, sched = build_optimizer(chunks, OptimSettings(lr=1e-3))
-        mbs = batches(chunks[0].arch.vocab_size, seed=torch.distributed.get_rank())
+        model = build_model(src, perf=PerfSettings(overlap_grad_reduce=on))
+        load_hf_weights(model, src)
+        ddp, opt, sched = build_optimizer(model, OptimSettings(lr=1e-3))
+        mbs = batches(model.arch.vocab_size, seed=torch.distributed.get_rank())
         steps = [train_step(ddp, opt, sched, mbs, nll) for _ in range(3)]
-        out[f"overlap_{on}"] = {"ddp_overlap": ddp[0].ddp_config.overlap_grad_reduce,
+        out[f"overlap_{on}"] = {"ddp_overlap": ddp.chunks[0].ddp_config.overlap_grad_reduce,
                                 "grad_norms": [m["grad_norm"] for m in steps], "losses": [m["loss"] for m in steps],
-                                "weights": [p.detach().clone() for p in ddp[0].parameters()]}
+                                "weights": [p.detach().clone() for p in ddp.chunks[0].parameters()]}
     a, b = out["overlap_False"], out["overlap_True"]
     diff = max((x - y).abs().max().item() for x, y in zip(a.pop("weights"), b.pop("weights")))
     return {**out, "weight_diff": diff}

@@ -68,7 +68,7 @@ if __name__ == "__main__":
                              rewards=[[1.0, 0.0]] * 4)
         updates = cfg.trainer.updates_per_batch
         history = [learner.step(batch, 0, updates) for _ in range(6)]
-        after = compute_logprobs(learner.policy.chunks, mbs)[0]
+        after = compute_logprobs(learner.policy.model, mbs)[0]
         ctrl = torch.distributed.new_group(backend="gloo")
         path = save_run_checkpoint(cfg, learner, ctrl, next_step=6)  # the learner's state only: no rollout side here
         resumed = new_learner()

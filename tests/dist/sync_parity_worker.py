@@ -51,13 +51,13 @@ def run_layout(model_dir: Path, tp: int, pp: int, pool, urls, key, first_version
     from megatron_async.weights.host_memory import HostMemorySender
 
     init_parallel(tp, pp)
-    chunks = build_model(model_dir)
-    load_hf_weights(chunks, model_dir)
-    ddp, opt, sched = build_optimizer(chunks, OptimSettings(lr=1e-2, clip_grad=1.0))
+    model = build_model(model_dir)
+    load_hf_weights(model, model_dir)
+    ddp, opt, sched = build_optimizer(model, OptimSettings(lr=1e-2, clip_grad=1.0))
     source = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     senders = {t: HostMemorySender(urls, key, timeout_s=60, bucket_bytes=256 << 10, transport=t)
                for t in set(TRANSPORTS)} if source else {}
-    vocab = chunks[0].arch.vocab_size
+    vocab = model.arch.vocab_size
     g = torch.Generator().manual_seed(first_version)
     prompts = torch.randint(3, vocab, (4, PROMPT_LEN), generator=g).tolist()
     rows, prev = [], None

@@ -32,7 +32,7 @@ if __name__ == "__main__":
         rm = AutoModelForSequenceClassification.from_pretrained(rm_dir, use_safetensors=True, dtype=torch.float32).eval()
         # no pad token (id 0) among them: the RM scores the last token of each row
         ids = torch.randint(3, rm.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0))
-        values = compute_values(learner.value.chunks, [{"input_ids": torch.cat([ids, ids[:, :1]], dim=1)}])[0][:, -1]
+        values = compute_values(learner.value.model, [{"input_ids": torch.cat([ids, ids[:, :1]], dim=1)}])[0][:, -1]
         with torch.no_grad():
             scores = rm(input_ids=ids).logits[:, 0]
         Path(out).write_text(json.dumps({"values": values.tolist(), "rm_scores": scores.tolist()}))

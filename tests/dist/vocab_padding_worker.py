@@ -28,17 +28,18 @@ def microbatches(vocab: int) -> list[dict]:
     return mbs
 
 
-def padding_rows(chunk, grads: bool = False) -> list[torch.Tensor]:
-    """This rank's padding rows of the embedding and the untied output layer (weights or grads)."""
+def padding_rows(chunk, record, grads: bool = False) -> list[torch.Tensor]:
+    """This rank's padding rows of the embedding and the untied output layer (weights or grads) of
+    `chunk`, one of `record`'s (a LearnerModel)."""
     from megatron.core import parallel_state as ps
 
     from megatron_async.learner.model import unwrap_model, vocab_shard_real_rows
 
-    model = unwrap_model(chunk)
-    real = vocab_shard_real_rows(model.arch.vocab_size, model.padded_vocab_size,
+    gpt = unwrap_model(chunk)
+    real = vocab_shard_real_rows(record.arch.vocab_size, record.padded_vocab_size,
                                  ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank())
     rows = []
-    for weight in (model.embedding.word_embeddings.weight, model.output_layer.weight):
+    for weight in (gpt.embedding.word_embeddings.weight, gpt.output_layer.weight):
         if weight is None:  # tied: the output layer uses the embedding
             continue
         t = weight.main_grad if grads else weight.data
@@ -65,15 +66,15 @@ def run_model(src: Path, out: Path):
 
     name, rank0 = src.name, torch.distributed.get_rank() == 0
     result = {}
-    chunks = build_model(src)
-    model = chunks[0]
+    model = build_model(src)
+    gpt = model.chunks[0]
     result["padded_vocab_size"] = model.padded_vocab_size
-    result["local_embedding_shape"] = list(model.embedding.word_embeddings.weight.shape)
-    result["padding_zero_at_build"] = max_abs(padding_rows(model)) == 0.0
-    load_hf_weights(chunks, src)
-    result["padding_zero_after_load"] = max_abs(padding_rows(model)) == 0.0
+    result["local_embedding_shape"] = list(gpt.embedding.word_embeddings.weight.shape)
+    result["padding_zero_at_build"] = max_abs(padding_rows(gpt, model)) == 0.0
+    load_hf_weights(model, src)
+    result["padding_zero_after_load"] = max_abs(padding_rows(gpt, model)) == 0.0
     ref = load_file(str(src / "model.safetensors"))
-    got = {k: v.clone() for k, v in iter_hf_weights(chunks)}
+    got = {k: v.clone() for k, v in iter_hf_weights(model)}
     if rank0:
         result["iter_hf_exact"] = got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
 
@@ -84,22 +85,22 @@ def run_model(src: Path, out: Path):
 
     mbs = microbatches(model.arch.vocab_size)
     result["microbatches"] = mbs
-    result["logprobs"] = compute_logprobs(chunks, mbs)
+    result["logprobs"] = compute_logprobs(model, mbs)
     ids = mbs[0]["input_ids"]
     b, s = ids.shape
     with torch.no_grad():
-        logits = model(ids, torch.arange(s).expand(b, s), _causal_mask(s, ids.device))  # [b, s, 512 / TP]
+        logits = gpt(ids, torch.arange(s).expand(b, s), _causal_mask(s, ids.device))  # [b, s, 512 / TP]
         result["direct_masked"] = token_logprobs(logits, ids, vocab_size=model.arch.vocab_size)
         result["unmasked"] = token_logprobs(logits, ids)
 
-    ddp, opt, sched = build_optimizer(chunks, OptimSettings(lr=1e-3, adam_eps=1e-6, clip_grad=1.0, weight_decay=0.1))
+    ddp, opt, sched = build_optimizer(model, OptimSettings(lr=1e-3, adam_eps=1e-6, clip_grad=1.0, weight_decay=0.1))
     result["metrics"] = train_step(ddp, opt, sched, mbs, nll)
-    result["padding_grad_max"] = max_abs(padding_rows(ddp[0], grads=True))
-    result["padding_weight_max_after_step"] = max_abs(padding_rows(model))
+    result["padding_grad_max"] = max_abs(padding_rows(ddp.chunks[0], model, grads=True))
+    result["padding_weight_max_after_step"] = max_abs(padding_rows(gpt, model))
     weights = {k: v.clone() for k, v in iter_hf_weights(ddp)}
     if rank0:
         result["weights_after_step"] = weights
-    export_hf(chunks, out / f"{name}_export", tokenizer_dir=src)
+    export_hf(model, out / f"{name}_export", tokenizer_dir=src)
     if rank0:
         torch.save(result, out / f"{name}.pt")
 
