@@ -21,6 +21,11 @@ class UpdateCoverage:
         self._expected = {name for name, _ in model.named_parameters()}
         self._loaded = set()
 
+    @property
+    def is_open(self) -> bool:
+        """An update is open: between `start` and `stop`."""
+        return self._loaded is not None
+
     def record(self, loaded: Iterable[str] | None) -> None:
         """What one `model.load_weights` call returned (the parameters it loaded)."""
         if self._loaded is None:

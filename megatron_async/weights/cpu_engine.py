@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from megatron_async.weights.buckets import unpack_bucket
+from megatron_async.weights.coverage import UpdateCoverage
 from megatron_async.weights.shm import open_segment
 
 # NOTE: finalize_layerwise_reload warns "Failed to load weights" for a layer no bucket touched;
@@ -121,8 +122,7 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
 
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
-        self._loaded: set[str] | None = None  # parameter names loaded in the open update
-        self._expected: set[str] = set()  # parameter names the open update must cover
+        self.coverage = UpdateCoverage()  # which parameters the open update loaded
 
     def init_transfer_engine(self, init_info: CpuInitInfo) -> None:
         pass
@@ -130,13 +130,8 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        # NOTE: the names to cover are taken before the layerwise reload: it puts each layer's
-        # tensors on the meta device one layer at a time, so a tied lm_head gets a meta weight of
-        # its own and `named_parameters` lists `lm_head.weight`, which no update sends (measured:
-        # every sync of a tied model failed verify). Before it, the tied head is the embedding.
-        self._expected = {n for n, _ in self.model.named_parameters()}
+        self.coverage.start(self.model)  # before the reload (UpdateCoverage.start says why)
         initialize_layerwise_reload(self.model)
-        self._loaded = set()
 
     def update_weights(self, update_info: dict) -> None:
         # NOTE: the base class adds `torch.accelerator.synchronize()`, which has nothing to wait
@@ -144,18 +139,15 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
         try:
             self.receive_weights(self.parse_update_info(update_info))
         except BaseException:
-            self._loaded = None
+            self.coverage.stop()
             abort_layerwise_reload(self.model)
             raise
 
     def receive_weights(self, update_info: CpuUpdateInfo) -> None:
-        if self._loaded is None:
+        if not self.coverage.is_open:
             raise RuntimeError("update_weights before start_weight_update")
         if update_info.verify:
-            params = self._expected
-            if missing := sorted(params - self._loaded):
-                raise RuntimeError(f"weight update incomplete: {len(missing)} of {len(params)} parameters not sent, "
-                                   f"e.g. {missing[:5]}")
+            self.coverage.check()
             return
         if update_info.shm is not None:
             mapping = open_segment(update_info.shm)
@@ -166,15 +158,15 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
             payload = base64.b64decode(update_info.data)
         tensors = [(name, t.clone()) for name, t in unpack_bucket(payload, update_info.checksum).items()]
         del payload
-        self._loaded |= set(self.model.load_weights(iter(tensors)) or ())
+        self.coverage.record(self.model.load_weights(iter(tensors)))
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        self._loaded = None
+        self.coverage.stop()
         finalize_layerwise_reload(self.model, self.model_config)
         refresh_tied_head(self.model)
 
     def shutdown(self) -> None:
-        self._loaded = None
+        self.coverage.stop()
 
