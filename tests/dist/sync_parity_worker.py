@@ -95,7 +95,7 @@ def run_layout(model_dir: Path, tp: int, pp: int, pool, urls, key, first_version
             "model": model_dir.name, "tp": tp, "pp": pp, "round": rnd, "version": version,
             "record_versions": sorted({v for _, _, v in payload[0]}), "records": len(seqs),
             "max_diff": (learner_lp - vllm_lp).abs().max().item(), "moved": moved,
-            "published": published[0], "buckets": sync.get("buckets"), "transport": TRANSPORTS[rnd],
+            "published": published[0], "buckets": None if sync is None else sync.buckets, "transport": TRANSPORTS[rnd],
         })
     for sender in senders.values():
         sender.close()
