@@ -82,7 +82,7 @@ def export_hf(model: LearnerModel, dst: str | os.PathLike, tokenizer_dir: str | 
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         for name, path in hf_side_files(Path(tokenizer_dir)).items():
             shutil.copyfile(path, tmp / name)
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        dtype = str(next(model.chunks[0].parameters()).dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps({**hf_config, "dtype": dtype}, indent=2))
         replace_dir(tmp, dst)
     dist.barrier()
