@@ -450,6 +450,7 @@ def batch_prep(args) -> dict:
 
     from megatron_async import algorithms
     from megatron_async.algorithms.batching import Sample
+    from megatron_async.config import load_config
 
     dev = torch.device("cuda" if args.cuda else "cpu")
     sync = torch.cuda.synchronize if args.cuda else (lambda: None)
@@ -465,12 +466,12 @@ def batch_prep(args) -> dict:
                                   version=0))
     out = {"device": str(dev), "samples": len(samples)}
     for name in ("rloo", "ppo"):
-        algo = _build_algorithm(algorithms, name, k)
+        algo = algorithms.build_algorithm(load_config(None, [f"trainer.algorithm={name}", f"rollout.k={k}"]))
         t = time.perf_counter()
-        rows, stats = algo.select(samples)
-        parts = algorithms.split_units(rows, algo.unit, 2)
+        rows, stats = algo.select(samples, k)
+        parts = algorithms.split_units(rows, algo.unit(k), 2)
         minibatches = [algo.microbatches(part, 0, 8, dev) for part in parts]
-        stats = algo.prepare(minibatches, _FakeLearner())
+        stats = algo.prepare(minibatches, _FakeLearner(), k)
         sync()
         seconds = time.perf_counter() - t
         off = sorted({f"{key}:{v.device}" for mbs in minibatches for mb in mbs for key, v in mb.items()
@@ -482,18 +483,6 @@ def batch_prep(args) -> dict:
         if off:
             out["status"], out["error"] = "failed", f"{name}: tensors off {dev}: {off}"
     return out
-
-
-def _build_algorithm(algorithms, name: str, k: int):
-    """`algorithms.build_algorithm` as committed (TrainerConfig, k) or as being refactored (Config)."""
-    import inspect
-
-    from megatron_async.config import load_config
-
-    cfg = load_config(None, [f"trainer.algorithm={name}", f"rollout.k={k}"])
-    if len(inspect.signature(algorithms.build_algorithm).parameters) == 1:
-        return algorithms.build_algorithm(cfg)
-    return algorithms.build_algorithm(cfg.trainer, cfg.rollout.k)
 
 
 def vllm(args) -> dict:

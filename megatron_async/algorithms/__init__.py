@@ -1,7 +1,7 @@
 """The RL algorithms, one object each, and the registry the config's `trainer.algorithm` names.
 
     algo = build_algorithm(cfg)                            # e.g. OnlineDPO
-    rows, stats = algo.select(samples); ...; algo.loss     # protocol in base.py
+    rows, stats = algo.select(samples, k); ...; algo.loss  # protocol in base.py
 
 | name          | module            | trains on                               | loss                       |
 |---------------|-------------------|-----------------------------------------|----------------------------|
