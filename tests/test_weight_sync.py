@@ -14,7 +14,10 @@ one 1-replica pool each (`slow`).
 """
 from __future__ import annotations
 
+import collections
 import os
+import struct
+import threading
 
 import pytest
 import torch
@@ -23,12 +26,12 @@ from safetensors.torch import load as st_load
 from megatron_async.rollout import ReplicaClient, ReplicaPool, Sampling
 from megatron_async.weights import host_memory as sync_mod
 from megatron_async.weights.buckets import (
-    BucketChecksumError, group_by_cap, iter_buckets, pack_bucket, unpack_bucket,
+    SAMPLE_BYTES, SAMPLE_STRIDE, BucketChecksumError, checksum, group_by_cap, iter_buckets, pack_bucket, unpack_bucket,
 )
 from megatron_async.weights.shm import SHM_DIR, ShmSegment, open_segment
 from megatron_async.weights.host_memory import HostMemorySender, carrier_for
 from tests.rollout_fixtures import (
-    LOGPROB_TOL, build_variants, max_logprob_diff, perturbed, resync, spec, state_dict, sync,
+    LOGPROB_TOL, SMALL_BUCKET, build_variants, max_logprob_diff, perturbed, resync, spec, state_dict, sync,
 )
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 40, 41, 42, 43], [1, 100], [1, 7, 7, 7, 7, 7], [1, 200, 3], [1, 12], [1, 60, 61]]
@@ -79,6 +82,29 @@ def test_bucket_roundtrip_and_checksum():
         unpack_bucket(bytes(corrupt), bucket.checksum)
     with pytest.raises(ValueError, match="duplicate tensor names"):
         pack_bucket(1, [("a", torch.ones(1)), ("a", torch.ones(1))])
+
+
+def test_sampled_checksum_covers_header_length_and_sampled_pages_only():
+    """The sampled scope's guarantee, as weights/buckets.py states it: the length, the whole header
+    and the sampled 4 KiB pages are checked, any other byte is not."""
+    tensors = [(f"layer{i}.weight", torch.randn(256, 1024)) for i in range(4)]  # 4 MiB of data
+    offset = 3 * SAMPLE_BYTES
+    bucket = pack_bucket(0, tensors, sample_offset=offset)
+    payload = bytes(bucket.payload)
+    assert bucket.sample_offset == offset and bucket.checksum == checksum(payload, offset) != checksum(payload)
+    assert set(unpack_bucket(payload, bucket.checksum, offset)) == {n for n, _ in tensors}
+    (head_len,) = struct.unpack_from("<Q", payload)
+    data_start = 8 + head_len
+    sampled = data_start + offset + 10 * SAMPLE_STRIDE + 100  # inside a sampled page
+    unsampled = sampled + SAMPLE_BYTES  # just after it
+    for where, caught in [(20, True), (sampled, True), (len(payload) - 1, True), (unsampled, False)]:
+        corrupt = bytearray(payload)
+        corrupt[where] ^= 0xFF
+        assert (checksum(corrupt, offset) != bucket.checksum) == caught, where
+    assert checksum(payload[:-8], offset) != bucket.checksum  # truncated
+    assert checksum(payload, offset + SAMPLE_BYTES) != bucket.checksum  # another scope
+    with pytest.raises(BucketChecksumError, match="sampled from"):
+        unpack_bucket(payload[:20] + b"x" + payload[21:], bucket.checksum, offset)
 
 
 def test_shm_segment_is_private_reused_grown_and_removed():
@@ -222,8 +248,8 @@ def test_missing_segment_fails_loudly(pool, models, monkeypatch):
     v = pool.current_version
     target = other(models, pool.held)
 
-    def unlinked(named, cap, alloc):
-        for b in iter_buckets(named, cap, alloc):
+    def unlinked(named, cap, alloc, sample_offset):
+        for b in iter_buckets(named, cap, alloc, sample_offset):
             if b.index == 2:
                 for name in own_segments():  # the segment vanishes before any replica maps it
                     os.unlink(os.path.join(SHM_DIR, name))
@@ -260,6 +286,46 @@ def test_incomplete_update_is_not_published_and_the_next_full_sync_works(pool, m
     assert done == [0, 1] and not metrics.failed
     pool.held = target
     sample_and_check(pool, target, v + 1)
+
+
+@pytest.mark.integration
+def test_a_kept_sender_samples_checksums_and_no_replica_reads_an_answered_bucket(pool, models, monkeypatch):
+    """Three syncs through one sender, as the learner keeps it: the first push checks every byte,
+    the next ones a sample. Every shm segment is zeroed as soon as both replicas answered its bucket
+    (the sender may rewrite it from then on): the layers that buckets split (SMALL_BUCKET) still
+    load the pushed weights, so no replica read a bucket after answering it (cpu_engine.detach_buffered)."""
+    answers: collections.Counter = collections.Counter()
+    scopes: list = []
+    lock = threading.Lock()
+    real_update = ReplicaClient.update_weights
+
+    def zero_once_answered(self, update_info):
+        real_update(self, update_info)
+        if "shm" not in update_info:  # the verify call
+            return
+        with lock:
+            scopes.append(update_info["sample_offset"])
+            key = (update_info["shm"], update_info["checksum"])
+            answers[key] += 1
+            if answers[key] == 2:
+                with open(update_info["shm"], "r+b") as f:
+                    f.write(bytes(update_info["size"]))
+
+    monkeypatch.setattr(ReplicaClient, "update_weights", zero_once_answered)
+    v = pool.current_version
+    a = other(models, pool.held)
+    b = other(models, a)
+    with HostMemorySender(pool.urls, pool.key, timeout_s=60, bucket_bytes=SMALL_BUCKET, transport="shm") as sender:
+        for step, model_dir in enumerate([a, b, a], start=1):
+            scopes.clear()
+            metrics, done = sync(pool, model_dir, v + step, sender=sender)
+            assert done == [0, 1] and not metrics.failed and metrics.buckets > 10
+            pool.held = model_dir
+            sample_and_check(pool, model_dir, v + step, seed=step)
+            if step == 1:
+                assert scopes == [None] * len(scopes)  # the first push: every byte checked
+            else:
+                assert all(isinstance(o, int) for o in scopes) and len(set(scopes)) > 1
 
 
 @pytest.mark.integration

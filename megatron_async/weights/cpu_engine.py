@@ -14,8 +14,9 @@ the metrics of the RL routes count it), and `/collective_rpc` needs more of the 
 
 One `update_weights` call carries one bucket (weights/buckets.py: a safetensors payload of
 HF-named tensors with its CRC32), by one of two carriers:
-- `{"shm": "/dev/shm/mas-wsync-...", "size": n, "checksum": c}`: a shared-memory segment the
-  sender on the same host wrote (weights/shm.py); the bytes never cross a socket;
+- `{"shm": "/dev/shm/mas-wsync-...", "size": n, "checksum": c, "sample_offset": o}`: a shared-
+  memory segment the sender on the same host wrote (weights/shm.py); the bytes never cross a
+  socket; `sample_offset` (or None: full) is the checksum's scope (weights/buckets.py);
 - `{"data": "<base64>", "checksum": c}`: the bytes inline in the JSON body, for a replica on
   another host. JSON and safetensors only: nothing is unpickled.
 
@@ -24,9 +25,11 @@ Invariants, per update (start -> update* -> finish), the same as vLLM's checkpoi
   `load_weights`; a layer is processed (on CPU: repacked into its oneDNN kernel) once all its
   weights arrived, in whichever bucket or pipeline stage they came; finish runs
   `finalize_layerwise_reload`.
-- A bucket is verified before anything from it is loaded; its tensors are copied out of the
-  carrier (layerwise reload keeps them until their layer is complete, and the sender rewrites a
-  segment two buckets later).
+- A bucket is verified before anything from it is loaded. Its tensors are loaded straight from
+  the carrier, with no copy; when `load_weights` returns, whatever vLLM's layerwise reload still
+  holds from a shm segment (the weights of a layer that the next bucket completes) is copied out
+  (`detach_buffered`): the sender rewrites a segment two buckets later. An http payload is this
+  call's own bytes: nothing to copy.
 - A bucket that fails (bad checksum, missing segment) ends the update: vLLM's worker closes its
   session, and the layers still waiting for weights are restored as they were
   (`abort_layerwise_reload`), so that a later full update starts clean.
@@ -41,6 +44,9 @@ from __future__ import annotations
 import base64
 import logging
 from dataclasses import dataclass
+from typing import Iterable
+
+import torch
 
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
@@ -60,7 +66,8 @@ class CpuInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class CpuUpdateInfo(WeightTransferUpdateInfo):
-    checksum: int = 0  # CRC32 of the bucket's payload
+    checksum: int = 0  # CRC32 of the bucket's payload ...
+    sample_offset: int | None = None  # ... sampled from here (weights/buckets.py); None: of every byte
     shm: str | None = None  # a /dev/shm/mas-wsync-* segment on this host ...
     size: int = 0  # ... and the bucket's length in it
     data: str | None = None  # or the payload, base64
@@ -115,6 +122,31 @@ def refresh_tied_head(model) -> bool:
     return True
 
 
+def detach_buffered(views: Iterable[torch.Tensor]) -> int:
+    """Replace by copies the tensors vLLM's layerwise reload still buffers (the loaded weights of
+    layers not yet complete) that alias the memory of `views` (one bucket's tensors, which lie
+    in one payload); returns how many bytes were copied.
+
+    NOTE (vLLM 0.32): a layer's weight-loader calls are kept, arguments bound, in its
+    `LayerReloadingInfo.loaded_weights` until its last weight arrives; a layer no bucket is
+    loading has none. `abort_layerwise_reload` above reads the same state.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    spans = [(v.data_ptr(), v.data_ptr() + v.nbytes) for v in views if v.nbytes]
+    if not spans:
+        return 0
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    copied = 0
+    for info in list(LAYERWISE_INFO.values()):
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if isinstance(value, torch.Tensor) and lo <= value.data_ptr() < hi:
+                    bound.arguments[key] = value.clone()
+                    copied += value.nbytes
+    return copied
+
+
 class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
     init_info_cls = CpuInitInfo
     update_info_cls = CpuUpdateInfo
@@ -149,16 +181,18 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
         if update_info.verify:
             self.coverage.check()
             return
-        if update_info.shm is not None:
-            mapping = open_segment(update_info.shm)
-            if update_info.size > len(mapping):
-                raise ValueError(f"bucket of {update_info.size} bytes overruns segment {update_info.shm} ({len(mapping)} bytes)")
-            payload = memoryview(mapping)[: update_info.size]
-        else:
+        if update_info.shm is None:
             payload = base64.b64decode(update_info.data)
-        tensors = [(name, t.clone()) for name, t in unpack_bucket(payload, update_info.checksum).items()]
-        del payload
-        self.coverage.record(self.model.load_weights(iter(tensors)))
+            tensors = unpack_bucket(payload, update_info.checksum, update_info.sample_offset)
+            self.coverage.record(self.model.load_weights(iter(tensors.items())))
+            return
+        mapping = open_segment(update_info.shm)
+        if update_info.size > len(mapping):
+            raise ValueError(f"bucket of {update_info.size} bytes overruns segment {update_info.shm} ({len(mapping)} bytes)")
+        payload = memoryview(mapping)[: update_info.size]
+        tensors = unpack_bucket(payload, update_info.checksum, update_info.sample_offset)
+        self.coverage.record(self.model.load_weights(iter(tensors.items())))
+        detach_buffered(tensors.values())
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

@@ -24,6 +24,13 @@ Pipelining and memory: `named_tensors` is consumed lazily with one bucket in fli
 replicas load bucket k, the sender packs bucket k+1 (into the other shm segment), and sends it
 once every replica answered k. The sender holds at most two buckets' bytes.
 
+Integrity: each bucket's CRC32 (weights/buckets.py) is verified by the replica before anything
+from it loads. Over shm it is a sampled checksum once a replica has taken a full-checksum sync
+from this sender; the first push to a replica, every push after one of its failures (or after
+`forget`), and every http push check every byte. A full checksum costs a pass over the payload
+on each side (a third of a SmolLM2 sync); the bytes of an shm bucket never leave this host's
+memory, and the sample still catches a wrong, truncated or rewritten segment.
+
 Failure: every request is bounded by `timeout_s`. A replica that fails a bucket is dropped from
 the rest of this push and reported in `PushResult.failed`; rank 0 does not publish the version
 on it, so it stays out of dispatch until a later full push (the pool restarts it if it died).
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Sequence, get_args
@@ -43,7 +51,7 @@ import torch
 
 from megatron_async.config import BROADCAST_TRANSPORTS, LOOPBACK_HOSTS, WeightTransport
 from megatron_async.rollout.replica import ReplicaClient, ReplicaError
-from megatron_async.weights.buckets import iter_buckets
+from megatron_async.weights.buckets import SAMPLE_STRIDE, iter_buckets
 from megatron_async.weights.sender import PushResult
 from megatron_async.weights.shm import HEADER_SLACK, ShmSegment
 from megatron_async.weights.shm import free_bytes as shm_free_bytes
@@ -86,12 +94,14 @@ class HostMemorySender:
         # two segments: one being read by the replicas while the next bucket is packed into the other
         self._segments = [ShmSegment(bucket_bytes), ShmSegment(bucket_bytes)] if "shm" in self.carriers else []
         self._pool = ThreadPoolExecutor(max_workers=len(self._clients), thread_name_prefix="weight-sync")
+        self._verified: set[str] = set()  # replicas whose last push from here had every byte checked, or a sample since
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], urls: Sequence[str] | None = None) -> PushResult:
         """Send this stage's tensors into the open update of the replicas at `urls` (None: all)."""
         t0 = time.perf_counter()
         live = list(self._clients.values()) if urls is None else [self._clients[u] for u in urls]
         failed: dict[str, str] = {}
+        sampled = self.carriers == ["shm"] and all(c.url in self._verified for c in live)
         send_s = 0.0
         num_buckets = nbytes = 0
         in_flight: list = []
@@ -108,17 +118,19 @@ class HostMemorySender:
             in_flight.clear()
             send_s += time.perf_counter() - t
 
-        for bucket_info, size in self._buckets(named_tensors):
+        for bucket_info, size in self._buckets(named_tensors, secrets.randbelow(SAMPLE_STRIDE) if sampled else None):
             collect()  # NOTE: one bucket in flight; its shm segment is rewritten two buckets later
             in_flight.extend((c, self._pool.submit(c.update_weights, bucket_info[self._carrier[c]])) for c in live)
             num_buckets += 1
             nbytes += size
         collect()
+        self._verified |= {c.url for c in live}
+        self._verified -= failed.keys()
         return PushResult(bytes=nbytes, replicas=len(live), buckets=num_buckets, seconds=time.perf_counter() - t0,
                           send_seconds=send_s, failed=failed, carriers=self.carriers)
 
-    def _buckets(self, tensors: Iterable[tuple[str, torch.Tensor]]):
-        """Per bucket: ({carrier: update_info}, payload bytes)."""
+    def _buckets(self, tensors: Iterable[tuple[str, torch.Tensor]], sample_offset: int | None):
+        """Per bucket: ({carrier: update_info}, payload bytes); `sample_offset`: sampled checksums."""
         turn = {"count": 0, "segment": None}
 
         def alloc(nbytes: int):  # the segment the previous bucket did not use
@@ -126,17 +138,19 @@ class HostMemorySender:
             turn["count"] += 1
             return turn["segment"].buffer(nbytes)
 
-        for bucket in iter_buckets(tensors, self.bucket_bytes, alloc if self._segments else bytearray):
+        for bucket in iter_buckets(tensors, self.bucket_bytes, alloc if self._segments else bytearray, sample_offset):
             size = len(bucket.payload)
             info = {}
             if "http" in self.carriers:
                 info["http"] = {"data": base64.b64encode(bucket.payload).decode("ascii"), "checksum": bucket.checksum}
             if self._segments:
-                info["shm"] = {"shm": turn["segment"].path, "size": size, "checksum": bucket.checksum}
+                info["shm"] = {"shm": turn["segment"].path, "size": size, "checksum": bucket.checksum,
+                               "sample_offset": bucket.sample_offset}
             yield info, size
 
     def forget(self, urls: Iterable[str]) -> None:
-        """Nothing is kept per replica between syncs (no connection, no group): nothing to drop."""
+        """The next push to these replicas checks every byte again (no connection or group is kept)."""
+        self._verified -= set(urls)
 
     def close(self) -> None:
         for c in self._clients.values():
