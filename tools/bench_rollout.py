@@ -22,6 +22,12 @@ with a note in the JSON when that package is not installed). For each model:
   broadcast sender of weights/broadcast.py over gloo) needs replicas running `mas_gloo`: a second
   pool of them is started after the first stops (its start-up is not reported).
 
+Placement: `--learner-cpus 0 --replica-cpus 1` put this process (the sender, and transformers)
+and the replicas where the CPU main job puts the learner and its replicas (configs/cpu_tiny.yaml):
+a sync then costs what it costs there. Unpinned (the default), this process packs buckets with
+every torch thread while a replica's OpenMP threads spin on the same cores (measured: packing the
+tiny model took 0.17 s with 2 threads, 2 ms with 1).
+
 Numbers on a shared 2-core CPU are noisy: the JSON records the 1-minute load average before each
 measurement. Prompts are equal-length token sequences so transformers needs no padding.
 """
@@ -42,6 +48,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megatron_async.cluster.cpu_affinity import pin_learner, replica_pin_env  # noqa: E402
 from megatron_async.models.tiny import build_tiny_llama, build_tokenizer, default_corpus  # noqa: E402
 from megatron_async.rollout import ReplicaPool, ReplicaSpec, Sampling  # noqa: E402
 from megatron_async.config import BROADCAST_TRANSPORTS  # noqa: E402
@@ -128,7 +135,8 @@ def bench_model(name: str, model_dir: Path, args) -> dict:
     state = load_file(str(model_dir / "model.safetensors"))
     result = {"model": name, "parameters": sum(t.numel() for t in state.values()), "replicas": args.replicas,
               "prompts": len(prompts), "n": args.n, "max_tokens": args.max_tokens, "dtype": spec.dtype}
-    pool = ReplicaPool(spec, args.replicas, log_dir=Path(args.work) / f"logs-{name}", start_timeout_s=600)
+    pin = replica_pin_env(args.replica_cpus)
+    pool = ReplicaPool(spec, args.replicas, log_dir=Path(args.work) / f"logs-{name}", start_timeout_s=600, env=pin)
     load, t = os.getloadavg()[0], time.perf_counter()
     pool.start()
     result["startup"] = {"seconds": time.perf_counter() - t, "load_avg": load, "replicas_started_together": args.replicas}
@@ -152,7 +160,8 @@ def bench_model(name: str, model_dir: Path, args) -> dict:
         pool.stop()
     if "gloo" in args.transports:  # replicas of the broadcast engine (mas_gloo): a pool of their own
         gloo_spec = dataclasses.replace(spec, weight_backend=backend_for("gloo"))
-        pool = ReplicaPool(gloo_spec, args.replicas, log_dir=Path(args.work) / f"logs-{name}-gloo", start_timeout_s=600)
+        pool = ReplicaPool(gloo_spec, args.replicas, log_dir=Path(args.work) / f"logs-{name}-gloo", start_timeout_s=600,
+                           env=pin)
         pool.start()
         sender = BroadcastSender(pool.urls, pool.key, wire=make_wire("gloo"), replica_tp=1, timeout_s=300,
                                  bucket_bytes=args.bucket_mb << 20)
@@ -182,11 +191,15 @@ def main() -> None:
     p.add_argument("--hf-threads", type=int, default=1,
                    help="torch threads for transformers (1 matches the replica's torch threads; more than the "
                         "free cores makes OpenMP collapse on a loaded machine: measured 8.9 tok/s with 2 at load 4)")
+    p.add_argument("--learner-cpus", default="", help="pin this process (sender, transformers) as parallel.learner_cpus")
+    p.add_argument("--replica-cpus", default="", help="pin the replicas as rollout.replica_cpus")
     p.add_argument("--work", default=None, help="scratch dir (default: a temporary one)")
     p.add_argument("--out", default="bench_rollout.json")
     args = p.parse_args()
     args.work = args.work or tempfile.mkdtemp(prefix="bench-rollout-")
-    results = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "cpus": os.cpu_count(), "models": []}
+    pin_learner(args.learner_cpus)
+    results = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "cpus": os.cpu_count(),
+               "placement": {"learner_cpus": args.learner_cpus, "replica_cpus": args.replica_cpus}, "models": []}
     for name in args.models:
         model_dir = prepare(name, Path(args.work))
         if model_dir is None:
