@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_async.weights.change import STRIDE, WHOLE_TENSOR, ChangeMeter
 from megatron_async.weights.sender import PushResult, WeightSyncError
 from megatron_async.weights.update import WeightUpdate
 
@@ -138,3 +139,34 @@ def test_a_rank_without_a_sender_drains_the_tensors_and_reports_nothing(ctrl):
     feed = tensors(4)
     result = update(ctrl, FakePool(), None).push(12, feed)
     assert next(feed, None) is None and result.replicas == 0 and not result.failed
+
+
+def test_the_changed_fraction_is_of_the_replicas_dtype_and_sampled_in_large_tensors():
+    """fp32 steps of 1e-4 on weights near 1 change every fp32 element and none in bf16 (half a bf16
+    unit there is 2e-3); a tensor above WHOLE_TENSOR elements is sampled every STRIDE-th element."""
+    base = {"small": torch.ones(100), "large": torch.ones(WHOLE_TENSOR * 4)}
+    stepped = {name: t + 1e-4 for name, t in base.items()}
+    for dtype, expected in [(torch.float32, 1.0), (torch.bfloat16, 0.0)]:
+        meter = ChangeMeter(dtype)
+        list(meter.observe(iter(base.items())))
+        assert (meter.changed, meter.compared) == (0, 0)  # nothing to compare the first push with
+        out = list(meter.observe(iter(stepped.items())))
+        assert [n for n, _ in out] == ["small", "large"] and out[0][1] is stepped["small"]  # passed through
+        assert meter.compared == 100 + -(-WHOLE_TENSOR * 4 // STRIDE)
+        assert meter.changed / meter.compared == expected
+    meter = ChangeMeter(torch.float32)
+    list(meter.observe(iter(base.items())))
+    half = base["large"].clone()
+    half[: half.numel() // 2] += 1.0
+    list(meter.observe(iter({"small": base["small"], "large": half}.items())))
+    assert abs(meter.changed - WHOLE_TENSOR * 2 / STRIDE) <= 1  # the sampled elements of the changed half
+
+
+def test_rank0s_result_carries_the_changed_fraction_from_the_second_push_on(ctrl):
+    pool, sender = FakePool(), FakeSender()
+    weights = WeightUpdate(ctrl, URLS, "between_batches", timeout_s=5.0, stage=0, pool=pool, sender=sender,
+                           meter=ChangeMeter(torch.float32))
+    assert weights.push(1, tensors()).changed_fraction is None
+    changed = iter([("w0", torch.ones(2)), ("w1", torch.zeros(2)), ("w2", torch.zeros(2))])
+    assert weights.push(2, changed).changed_fraction == pytest.approx(2 / 6)
+    assert sender.drained == 6

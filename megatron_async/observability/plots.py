@@ -9,8 +9,9 @@ from megatron_async.io_utils import atomic_write_bytes
 
 
 def plot_training(history: list[dict], out: str | os.PathLike, title: str = "") -> Path:
-    """Six panels by learner step: reward, KL to the reference, loss, time per step by phase, the
-    staleness monitor (KL generator -> learner, ESS) and the lag (measured, and the bound in force)."""
+    """Six panels by learner step: reward, KL to the reference, loss (and the fraction of weights each
+    sync changed), time per step by phase, the staleness monitor (KL generator -> learner, ESS) and
+    the lag (measured, and the bound in force)."""
     import matplotlib  # heavy, and only needed when a plot is written
 
     matplotlib.use("Agg")
@@ -30,7 +31,11 @@ def plot_training(history: list[dict], out: str | os.PathLike, title: str = "") 
     ax.set_title("KL to the reference (per sequence)")
     ax = axes[1, 0]
     ax.plot(steps, series("train/loss"), marker=".", color="tab:green")
-    ax.set_title("loss")
+    ax.set_title("loss, and the weights each sync changed")
+    changed = ax.twinx()
+    changed.plot(steps, series("weight_sync/changed_fraction"), "k:", label="fraction of weights changed")
+    changed.set_ylim(0, 1.05)
+    changed.legend(fontsize=8, loc="upper right")
     ax = axes[1, 1]
     bottom = [0.0] * len(steps)
     for key, label in [("timing/train_s", "train"), ("timing/sync_s", "weight sync"),

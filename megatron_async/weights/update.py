@@ -13,6 +13,8 @@ Phases (vLLM's weight-transfer API), and who runs them:
 3. every rank reports the replicas its stage could not reach; rank 0 publishes the version on
    those every stage reached (`ReplicaPool.finish_update`: verify, `/finish_weight_update`,
    resume) and closes the update without a version on the others;
+   Every stage also reports how many of its weights changed since the last push
+   (weights/change.py); rank 0's result carries the fraction (`sync/changed_fraction`).
 4. the verdict: a replica left out is not fresh (its pool restarts it if it died, and the loop
    re-syncs it before it takes work). The run stops (`WeightSyncError`, on every rank) only when
    an update reached no replica while some target is up and refusing it (retrying would loop), or
@@ -31,6 +33,7 @@ from megatron_async.config import BROADCAST_TRANSPORTS, Config
 from megatron_async.learner.parallel import ParallelLayout, from_rank0
 from megatron_async.rollout.pool import ReplicaPool, UpdateMode
 from megatron_async.weights.broadcast import BroadcastSender, make_wire
+from megatron_async.weights.change import ChangeMeter
 from megatron_async.weights.host_memory import HostMemorySender
 from megatron_async.weights.sender import PushResult, WeightSender, WeightSyncError
 
@@ -46,6 +49,7 @@ class WeightUpdate:
     stage: int  # this rank's pipeline stage
     pool: ReplicaPool | None = None  # rank 0 only
     sender: WeightSender | None = None  # the stage's sender rank only
+    meter: ChangeMeter | None = None  # the stage's sender rank only
 
     @classmethod
     def build(cls, cfg: Config, layout: ParallelLayout, ctrl: dist.ProcessGroup, pool: ReplicaPool | None,
@@ -60,7 +64,8 @@ class WeightUpdate:
             else:
                 sender = HostMemorySender(urls, key, timeout_s=r.sync_timeout_s, bucket_bytes=r.sync_bucket_mb << 20,
                                           transport=r.weight_transport)
-        return cls(ctrl, urls, r.weight_update, r.sync_timeout_s, layout.pp_rank, pool, sender)
+        meter = ChangeMeter(getattr(torch, cfg.model.dtype)) if sender is not None else None
+        return cls(ctrl, urls, r.weight_update, r.sync_timeout_s, layout.pp_rank, pool, sender, meter)
 
     def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
              replica_ids: Sequence[int] | None = None) -> PushResult:
@@ -68,9 +73,14 @@ class WeightUpdate:
         (an empty one on ranks that only take part in the TP gathers)."""
         opened = from_rank0(self.pool.begin_update(replica_ids, self.mode, self.timeout_s) if self.pool else None,
                             self.ctrl)
+        if self.meter is not None:
+            named_tensors = self.meter.observe(named_tensors)
         result, refused = self._stream(version, named_tensors, opened, resync=replica_ids is not None)
+        counts = (self.meter.changed, self.meter.compared) if self.meter is not None else (0, 0)
         reports: list = [None] * dist.get_world_size(self.ctrl)
-        dist.all_gather_object(reports, (sorted(result.failed), refused), group=self.ctrl)
+        dist.all_gather_object(reports, (sorted(result.failed), refused, counts), group=self.ctrl)
+        if self.pool is not None and (compared := sum(c for _, _, (_, c) in reports)):
+            result.changed_fraction = sum(c for _, _, (c, _) in reports) / compared
         verdict = self._publish(version, opened, reports) if self.pool is not None else None
         if verdict := from_rank0(verdict, self.ctrl):
             raise WeightSyncError(verdict)
@@ -98,8 +108,8 @@ class WeightUpdate:
 
     def _publish(self, version: int, opened: list[int], reports: list) -> str | None:
         """Rank 0, phases 3-4: publish where every stage arrived -> why the run must stop, or None."""
-        failed = {url for urls, _ in reports for url in urls}
-        if refused := next((why for _, why in reports if why), None):
+        failed = {url for urls, _, _ in reports for url in urls}
+        if refused := next((why for _, why, _ in reports if why), None):
             self.pool.finish_update(version, [], abandoned=opened)
             return refused
         complete = [i for i in opened if self.urls[i] not in failed]
