@@ -47,6 +47,9 @@ def test_async_run_versions_lag_and_metrics(reference_run):
                 "loss/value", "ppo/explained_variance", "train_value/grad_norm"):
         assert sorted(m[key]) == steps, key
     assert all(v > 0 for v in m["train/tokens_per_s"].values())
+    # the push after step 0 is the meter's first: the fraction of weights changed comes from step 1 on
+    assert sorted(m["weight_sync/changed_fraction"]) == steps[1:]
+    assert all(0 < v <= 1 for v in m["weight_sync/changed_fraction"].values())
     # step 0 trains on version-0 samples with version-0 weights: learner and vLLM agree
     assert m["logprob_diff/learner_vs_generator"][0] < 1e-3
     assert "eval/pass_at_1_before" in m and "eval/pass_at_1_after" in m
