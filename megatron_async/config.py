@@ -184,7 +184,8 @@ class RolloutConfig:
         "on this host), http (inline in the request body; any host) (weights/host_memory.py); nccl (vLLM's "
         "NCCL engine, GPU replicas, learner PP=1; its GPU communicator has not yet run on a GPU), gloo (the "
         "same sender and engine code with a gloo communicator: any host, CPU; learner PP=1) "
-        "(weights/broadcast.py); auto = shm for loopback replicas, else http (both work for GPU replicas too)")
+        "(weights/broadcast.py); auto = shm for loopback replicas, else http (both work for GPU replicas too, "
+        "but an 8B bf16 sync through host memory is estimated at 1.6-6 s, docs/scaling.md: use nccl there)")
     rendezvous_address: str = opt("",
         "weight_transport=nccl/gloo: the address replicas reach the learner's sender at (its process "
         "group's TCP rendezvous); \"\" = 127.0.0.1 for replicas on this host, else the address this host "

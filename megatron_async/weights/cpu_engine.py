@@ -181,18 +181,17 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
         if update_info.verify:
             self.coverage.check()
             return
-        if update_info.shm is None:
+        if update_info.shm is not None:
+            mapping = open_segment(update_info.shm)
+            if update_info.size > len(mapping):
+                raise ValueError(f"bucket of {update_info.size} bytes overruns segment {update_info.shm} ({len(mapping)} bytes)")
+            payload = memoryview(mapping)[: update_info.size]
+        else:
             payload = base64.b64decode(update_info.data)
-            tensors = unpack_bucket(payload, update_info.checksum, update_info.sample_offset)
-            self.coverage.record(self.model.load_weights(iter(tensors.items())))
-            return
-        mapping = open_segment(update_info.shm)
-        if update_info.size > len(mapping):
-            raise ValueError(f"bucket of {update_info.size} bytes overruns segment {update_info.shm} ({len(mapping)} bytes)")
-        payload = memoryview(mapping)[: update_info.size]
         tensors = unpack_bucket(payload, update_info.checksum, update_info.sample_offset)
         self.coverage.record(self.model.load_weights(iter(tensors.items())))
-        detach_buffered(tensors.values())
+        if update_info.shm is not None:  # the sender rewrites the segment two buckets later
+            detach_buffered(tensors.values())
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
