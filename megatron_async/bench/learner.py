@@ -32,6 +32,7 @@ import copy
 import json
 import os
 import random
+import resource
 import statistics
 import sys
 import time
@@ -178,21 +179,26 @@ def run_case(model: str, model_dir: Path, overrides: list[str], steps: int, prof
                                cfg.rollout.max_new_tokens, seed + i) for i in range(steps + 1)]
     tokens = trained_tokens(ours, batches[0])
     times = {"ours": [], "plain": []}
+    kernel = {"ours": [], "plain": []}  # (minor page faults, system CPU seconds) per step
     for i, batch in enumerate(batches):  # alternate: ours, plain, ours, plain, ...; step 0 warms up
-        t0 = time.perf_counter()
-        ours.step(batch, step=i, updates=cfg.trainer.updates_per_batch)
-        t1 = time.perf_counter()
-        plain.step(batch)
-        t2 = time.perf_counter()
-        if i:
-            times["ours"].append(t1 - t0)
-            times["plain"].append(t2 - t1)
+        for name, step in (("ours", lambda: ours.step(batch, step=i, updates=cfg.trainer.updates_per_batch)),
+                           ("plain", lambda: plain.step(batch))):
+            before, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            step()
+            seconds, after = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
+            if i:
+                times[name].append(seconds)
+                kernel[name].append((after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime))
     ours_s, plain_s = statistics.median(times["ours"]), statistics.median(times["plain"])
     result = {"model": model, "algorithm": cfg.trainer.algorithm, "prompts": cfg.rollout.prompts_per_step,
               "k": cfg.rollout.k, "micro_batch_size": cfg.trainer.micro_batch_size, "overrides": overrides,
               "trained_tokens_per_step": tokens, "ours_s": ours_s, "plain_s": plain_s,
               "ratio": ours_s / plain_s, "ours_tokens_per_s": tokens / ours_s, "plain_tokens_per_s": tokens / plain_s,
-              "ours_all_s": times["ours"], "plain_all_s": times["plain"]}
+              "ours_all_s": times["ours"], "plain_all_s": times["plain"],
+              # where wall time exceeds operator time: first touch of freshly mapped memory (large
+              # tensors are mmap'd and returned to the OS on free, so every step faults them in again)
+              **{f"{name}_{what}": statistics.median(k[j] for k in kernel[name])
+                 for name in kernel for j, what in enumerate(("minor_faults", "system_s"))}}
     if profile:
         extra = synthetic_batch(vocab, cfg.rollout.prompts_per_step, cfg.rollout.k, PROMPT_TOKENS[model],
                                 cfg.rollout.max_new_tokens, seed + 1000)
@@ -240,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                 report["cases"].append(case)
                 print(f"{model:8s} {algorithm:11s} {prompts:3d} prompts x K={case['k']}: ours {case['ours_s']:.3f} s "
                       f"({case['ours_tokens_per_s']:.0f} tok/s), plain {case['plain_s']:.3f} s "
-                      f"({case['plain_tokens_per_s']:.0f} tok/s), ratio {case['ratio']:.2f}", flush=True)
+                      f"({case['plain_tokens_per_s']:.0f} tok/s), ratio {case['ratio']:.2f}; page faults / system "
+                      f"s per step: ours {case['ours_minor_faults']:.0f} / {case['ours_system_s']:.2f}, plain "
+                      f"{case['plain_minor_faults']:.0f} / {case['plain_system_s']:.2f}", flush=True)
                 atomic_write_text(out_dir / "bench_learner.json", json.dumps(report, indent=1))
     report["load_avg_end"] = os.getloadavg()
     atomic_write_text(out_dir / "bench_learner.json", json.dumps(report, indent=1))
