@@ -51,13 +51,15 @@ class FakeSender:
         self.pushed: list[list[str]] = []
         self.forgotten: list[str] = []
         self.drained = 0
+        self.dtypes: list[torch.dtype] = []
 
     def push(self, named_tensors, urls):
         self.pushed.append(list(urls))
         if self.refuse:
             next(iter(named_tensors))  # a refusal comes after the first bucket started
             raise WeightSyncError(self.refuse)
-        self.drained += sum(1 for _ in named_tensors)
+        self.dtypes += [t.dtype for _, t in named_tensors]
+        self.drained = len(self.dtypes)
         failed = {u: why for u, why in self.fails.items() if u in urls}
         return PushResult(bytes=8, replicas=len(urls) - len(failed), buckets=1, failed=failed, carriers=["fake"])
 
@@ -139,6 +141,14 @@ def test_a_rank_without_a_sender_drains_the_tensors_and_reports_nothing(ctrl):
     feed = tensors(4)
     result = update(ctrl, FakePool(), None).push(12, feed)
     assert next(feed, None) is None and result.replicas == 0 and not result.failed
+
+
+def test_tensors_are_sent_in_the_replicas_dtype(ctrl):
+    sender = FakeSender()
+    weights = update(ctrl, FakePool(), sender)
+    weights.send_dtype = torch.bfloat16  # an fp32 learner, bf16 replicas
+    weights.push(1, iter([("w", torch.ones(2)), ("b", torch.ones(2, dtype=torch.float64))]))
+    assert sender.dtypes == [torch.bfloat16, torch.bfloat16]
 
 
 def test_the_changed_fraction_is_of_the_replicas_dtype_and_sampled_in_large_tensors():

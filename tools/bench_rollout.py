@@ -131,8 +131,9 @@ def bench_model(name: str, model_dir: Path, args) -> dict:
     from safetensors.torch import load_file
 
     prompts = make_prompts(model_dir, args.prompts)
-    spec = ReplicaSpec(model=str(model_dir), kv_cache_bytes=args.kv_mb << 20, max_model_len=512)
-    state = load_file(str(model_dir / "model.safetensors"))
+    spec = ReplicaSpec(model=str(model_dir), kv_cache_bytes=args.kv_mb << 20, max_model_len=512, dtype=args.dtype)
+    # sent in the replicas' dtype, as weights/update.py sends the learner's weights
+    state = {n: t.to(getattr(torch, args.dtype)) for n, t in load_file(str(model_dir / "model.safetensors")).items()}
     result = {"model": name, "parameters": sum(t.numel() for t in state.values()), "replicas": args.replicas,
               "prompts": len(prompts), "n": args.n, "max_tokens": args.max_tokens, "dtype": spec.dtype}
     pin = replica_pin_env(args.replica_cpus)
@@ -188,6 +189,7 @@ def main() -> None:
                    help="weight-sync transports to measure, --syncs pushes each (auto: shm for these local replicas; "
                         "gloo: a second pool of replicas running the broadcast engine)")
     p.add_argument("--kv-mb", type=int, default=256)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the replicas' dtype (model.dtype)")
     p.add_argument("--hf-threads", type=int, default=1,
                    help="torch threads for transformers (1 matches the replica's torch threads; more than the "
                         "free cores makes OpenMP collapse on a loaded machine: measured 8.9 tok/s with 2 at load 4)")

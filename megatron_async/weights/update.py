@@ -6,10 +6,10 @@
 Phases (vLLM's weight-transfer API), and who runs them:
 1. rank 0 opens the update on each target replica (`ReplicaPool.begin_update`: pause,
    `/start_weight_update`) and tells every rank which ones opened;
-2. the sender of each pipeline stage (its TP rank 0 of DP rank 0) streams the stage's HF tensors
-   into them (weights/sender.py's interface: the host-memory or the broadcast sender, chosen by
-   `rollout.weight_transport`); the stage's other ranks only take part in the TP gathers behind
-   `named_tensors`;
+2. the sender of each pipeline stage (its TP rank 0 of DP rank 0) streams the stage's HF tensors,
+   cast to the replicas' dtype (`model.dtype`), into them (weights/sender.py's interface: the
+   host-memory or the broadcast sender, chosen by `rollout.weight_transport`); the stage's other
+   ranks only take part in the TP gathers behind `named_tensors`;
 3. every rank reports the replicas its stage could not reach; rank 0 publishes the version on
    those every stage reached (`ReplicaPool.finish_update`: verify, `/finish_weight_update`,
    resume) and closes the update without a version on the others;
@@ -29,7 +29,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_async.config import BROADCAST_TRANSPORTS, Config
+from megatron_async.config import BROADCAST_TRANSPORTS, Config, replica_dtype
 from megatron_async.learner.parallel import ParallelLayout, from_rank0
 from megatron_async.rollout.pool import ReplicaPool, UpdateMode
 from megatron_async.weights.broadcast import BroadcastSender, make_wire
@@ -50,6 +50,7 @@ class WeightUpdate:
     pool: ReplicaPool | None = None  # rank 0 only
     sender: WeightSender | None = None  # the stage's sender rank only
     meter: ChangeMeter | None = None  # the stage's sender rank only
+    send_dtype: torch.dtype = torch.float32  # the replicas' (config.replica_dtype): tensors are sent in it
 
     @classmethod
     def build(cls, cfg: Config, layout: ParallelLayout, ctrl: dist.ProcessGroup, pool: ReplicaPool | None,
@@ -64,8 +65,9 @@ class WeightUpdate:
             else:
                 sender = HostMemorySender(urls, key, timeout_s=r.sync_timeout_s, bucket_bytes=r.sync_bucket_mb << 20,
                                           transport=r.weight_transport)
-        meter = ChangeMeter(getattr(torch, cfg.model.dtype)) if sender is not None else None
-        return cls(ctrl, urls, r.weight_update, r.sync_timeout_s, layout.pp_rank, pool, sender, meter)
+        send_dtype = getattr(torch, replica_dtype(cfg.model)[0])
+        meter = ChangeMeter(send_dtype) if sender is not None else None
+        return cls(ctrl, urls, r.weight_update, r.sync_timeout_s, layout.pp_rank, pool, sender, meter, send_dtype)
 
     def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
              replica_ids: Sequence[int] | None = None) -> PushResult:
@@ -73,6 +75,9 @@ class WeightUpdate:
         (an empty one on ranks that only take part in the TP gathers)."""
         opened = from_rank0(self.pool.begin_update(replica_ids, self.mode, self.timeout_s) if self.pool else None,
                             self.ctrl)
+        if self.sender is not None:  # cast to the replicas' dtype here (a no-op when the learner's is the same):
+            # an fp32 learner sends bf16 replicas half the bytes, and they have nothing left to convert
+            named_tensors = ((name, t.to(self.send_dtype)) for name, t in named_tensors)
         if self.meter is not None:
             named_tensors = self.meter.observe(named_tensors)
         result, refused = self._stream(version, named_tensors, opened, resync=replica_ids is not None)
