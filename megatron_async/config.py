@@ -26,6 +26,7 @@ import torch
 import yaml
 
 from megatron_async.algorithms import ALGORITHMS
+from megatron_async.cluster.cpu_affinity import AMX_BF16_FLAG, cpu_flags
 from megatron_async.io_utils import atomic_write_text
 
 _FLOAT_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
@@ -53,11 +54,27 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key and the value."""
 
 
-def default_replica_dtype() -> str:
-    """model.dtype's default: "bfloat16" where a CUDA device is visible (the learner is bf16 there),
-    else "float32". Counted with torch.cuda.device_count(), which asks NVML and so neither
-    initialises CUDA nor makes a later fork unsafe (torch.cuda.is_available() would)."""
-    return "bfloat16" if torch.cuda.device_count() > 0 else "float32"
+def replica_dtype(model: "ModelConfig") -> tuple[str, str]:
+    """The replicas' (vLLM) dtype for `model.dtype` -> (dtype, why). "auto" picks, on this machine:
+    - bfloat16 where a CUDA device is visible (the learner is bf16 there). Counted with
+      torch.cuda.device_count(), which asks NVML and so neither initialises CUDA nor makes a later
+      fork unsafe (torch.cuda.is_available() would);
+    - float32 for the built-in tiny model: bf16 buys it nothing (its 128-wide layers cost dispatch, not
+      arithmetic) and fp32 keeps its replica's logprobs equal to the learner's;
+    - bfloat16 on a CPU with AMX (amx_bf16), whose tile units multiply bf16;
+    - float32 on any other CPU: without avx512_bf16 vLLM emulates bf16 (SmolLM2-135M ~35 tokens/s
+      against ~180 in fp32), and with avx512_bf16 alone bf16 generated no faster than fp32 (one core,
+      2026-12-03: 115 and 115 tokens/s for 32 sequences x 192 tokens, 140 against 172 for 64 x 64),
+      while fp32 keeps the replica's logprobs the learner's (docs/real-models.md)."""
+    if model.dtype != "auto":
+        return model.dtype, "model.dtype"
+    if torch.cuda.device_count() > 0:
+        return "bfloat16", "auto: a CUDA device"
+    if model.hf_path == "tiny":
+        return "float32", "auto: the built-in tiny model"
+    if AMX_BF16_FLAG in cpu_flags():
+        return "bfloat16", f"auto: this CPU has {AMX_BF16_FLAG}"
+    return "float32", f"auto: a CPU without {AMX_BF16_FLAG}"
 
 
 @dataclass
@@ -77,11 +94,12 @@ class ModelConfig:
     tiny_layers: int = opt(4, "tiny model only")
     tiny_heads: int = opt(4, "tiny model only")
     tiny_kv_heads: int = opt(2, "tiny model only")
-    dtype: Literal["float32", "bfloat16"] = opt(
-        factory=default_replica_dtype,
-        help="the replicas' (vLLM) dtype. Default: as the learner, bfloat16 where a CUDA device is visible, "
-             "float32 on CPU. The learner's dtype is not a key: bf16 with fp32 master weights and grads on "
-             "GPU, fp32 on CPU (learner/model.py).")
+    dtype: Literal["auto", "float32", "bfloat16"] = opt("auto",
+        "the replicas' (vLLM) dtype; the learner sends its weights cast to it. auto (logged when the replicas "
+        "start): bfloat16 on GPU (as the learner) and on CPUs with AMX, float32 on other CPUs (measured slower "
+        "in bf16, with or without avx512_bf16) and for the built-in tiny model (config.replica_dtype). The "
+        "learner's dtype is not a key: bf16 with fp32 master weights and grads on GPU, fp32 on CPU "
+        "(learner/model.py).")
     make_vocab_size_divisible_by: int = opt(128,
         "the learner pads its vocabulary (embedding and output-layer rows) to a multiple of this x parallel.tp, "
         "as megatron-LM does (default 128, megatron's), so a vocab_size TP does not divide (32001, 1003) still "

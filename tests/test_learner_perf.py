@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from megatron_async.config import ConfigError, load_config
+from megatron_async.config import ConfigError, load_config, replica_dtype
 from megatron_async.learner.perf import Backend, PerfSettings, resolve
 from tests.dist import run_worker
 
@@ -81,12 +81,22 @@ def test_config_keys_and_static_validation():
         load_config(None, ["parallel.overlap_param_gather=true", "parallel.overlap_grad_reduce=false"])
 
 
-def test_replica_dtype_default_follows_the_learner():
+def test_auto_replica_dtype_is_bf16_on_gpu_and_amx_cpus_fp32_elsewhere_and_for_the_tiny_model(monkeypatch):
     import torch
 
-    want = "bfloat16" if torch.cuda.device_count() > 0 else "float32"
-    assert load_config(None, []).model.dtype == want
-    assert load_config(None, ["model.dtype=bfloat16"]).model.dtype == "bfloat16"
+    from megatron_async import config
+
+    assert load_config(None, []).model.dtype == "auto"
+    assert replica_dtype(load_config(None, ["model.dtype=bfloat16"]).model) == ("bfloat16", "model.dtype")
+    checkpoint = load_config(None, ["model.hf_path=runs/smollm2"]).model
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    for flags, want in (({"avx2"}, "float32"), ({"avx2", "avx512_bf16"}, "float32"),
+                        ({"avx512_bf16", "amx_bf16"}, "bfloat16")):
+        monkeypatch.setattr(config, "cpu_flags", lambda flags=flags: flags)
+        assert replica_dtype(checkpoint)[0] == want, flags
+        assert replica_dtype(load_config(None, []).model)[0] == "float32", flags  # the tiny model
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert replica_dtype(checkpoint) == ("bfloat16", "auto: a CUDA device")
 
 
 def test_cpu_transformer_config_is_unchanged(tiny_ckpts):

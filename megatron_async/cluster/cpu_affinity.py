@@ -43,7 +43,8 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
     return set()
 
 
-NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # without one, CPU kernels emulate bf16
+AMX_BF16_FLAG = "amx_bf16"  # AMX tiles multiply bf16 matrices
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", AMX_BF16_FLAG})  # without one, CPU kernels emulate bf16
 
 
 def parse_cpu_list(text: str) -> list[int]:

@@ -9,7 +9,7 @@ import torch
 
 from megatron_async.cluster.cpu_affinity import replica_pin_env
 from megatron_async.cluster.placement import replica_devices
-from megatron_async.config import Config
+from megatron_async.config import Config, replica_dtype
 from megatron_async.models.base_model import prepare_base_model
 from megatron_async.rollout.launcher import replica_environment
 from megatron_async.rollout.pool import ReplicaPool
@@ -20,7 +20,7 @@ from megatron_async.weights.vllm_plugin import backend_for
 def replica_spec(cfg: Config, model: Path) -> ReplicaSpec:
     """How every replica of this run starts its vLLM server."""
     r = cfg.rollout
-    return ReplicaSpec(model=str(model), dtype=cfg.model.dtype, tensor_parallel_size=r.replica_tp,
+    return ReplicaSpec(model=str(model), dtype=replica_dtype(cfg.model)[0], tensor_parallel_size=r.replica_tp,
                        max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens,
                        kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)), seed=cfg.run.seed,
                        prefix_caching=r.weight_update == "between_batches",

@@ -28,7 +28,7 @@ from megatron_async.algorithms import ALGORITHMS
 from megatron_async.cluster import placement
 from megatron_async.cluster.cpu_affinity import (NATIVE_BF16_FLAGS, available_cpus, cpu_flags, format_cpu_list,
                                                   parse_cpu_list)
-from megatron_async.config import Config, ConfigError
+from megatron_async.config import Config, ConfigError, replica_dtype
 from megatron_async.data import DataError, Problem, format_prompt, load_file, tokenize_prompts
 from megatron_async.learner.mapping import validate_hf_checkpoint
 from megatron_async.learner.model import LlamaArch, read_arch
@@ -372,7 +372,7 @@ def _warn_on_emulated_bf16(cfg: Config) -> None:
     """bf16 replicas on a CPU without native bf16 run, but slowly: a warning, not a refusal.
     (Measured 2026-12-01, SmolLM2-135M in vLLM on one AVX2 core with 63-64 requests running: bf16
     ~35 tokens/s, fp32 ~180; docs/real-models.md.)"""
-    if cfg.model.dtype != "bfloat16" or cfg.rollout.replica_urls or torch.cuda.device_count() > 0:
+    if replica_dtype(cfg.model)[0] != "bfloat16" or cfg.rollout.replica_urls or torch.cuda.device_count() > 0:
         return
     flags = cpu_flags()
     if flags and not flags & NATIVE_BF16_FLAGS:

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_async.config import Config
+from megatron_async.config import Config, replica_dtype
 from megatron_async.data import PromptIterator, TokenizedPrompt, load_prompts, load_train_prompts
 from megatron_async.io_utils import atomic_write_text
 from megatron_async.observability.tracking import MlflowTracker, NullTracker
@@ -71,7 +71,7 @@ class RolloutState:
         except BaseException:
             scorer.close()
             raise
-        log.info("replicas: %s (pids %s)", ", ".join(pool.urls), pool.pids())
+        log.info("replicas: %s (pids %s), %s (%s)", ", ".join(pool.urls), pool.pids(), *replica_dtype(cfg.model))
         adaptive_lag, balance = build_controllers(cfg)
         return cls(cfg, tokenizer, prompts, eval_prompts, scorer, pool, data_state=prompts.state_dict(),
                    adaptive_lag=adaptive_lag, balance=balance)
