@@ -28,16 +28,23 @@ class ChangeMeter:
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
         self._previous: dict[str, torch.Tensor] = {}  # name -> the sample of the last push
-        self.changed = self.compared = 0  # elements, in the last push, of tensors the push before it sent too
+        # elements, in the last push, of tensors the push before it sent too; the changed count is
+        # summed where the tensors are (a GPU's), and read to the host once per push, by `changed`
+        self._changed: torch.Tensor | int = 0
+        self.compared = 0
 
     def observe(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield `named_tensors` unchanged, counting the sampled elements that differ from the last push."""
-        self.changed = self.compared = 0
+        self._changed = self.compared = 0
         for name, tensor in named_tensors:
             flat = tensor.detach().reshape(-1)
             sample = (flat if flat.numel() <= WHOLE_TENSOR else flat[::STRIDE]).to(self.dtype, copy=True)
             if (previous := self._previous.get(name)) is not None and previous.shape == sample.shape:
-                self.changed += int((sample != previous).sum())
+                self._changed = self._changed + (sample != previous).sum()
                 self.compared += sample.numel()
             self._previous[name] = sample
             yield name, tensor
+
+    @property
+    def changed(self) -> int:
+        return int(self._changed)

@@ -122,10 +122,10 @@ def refresh_tied_head(model) -> bool:
     return True
 
 
-def detach_buffered(views: Iterable[torch.Tensor]) -> int:
+def detach_buffered(views: Iterable[torch.Tensor]) -> None:
     """Replace by copies the tensors vLLM's layerwise reload still buffers (the loaded weights of
     layers not yet complete) that alias the memory of `views` (one bucket's tensors, which lie
-    in one payload); returns how many bytes were copied.
+    in one payload).
 
     NOTE (vLLM 0.32): a layer's weight-loader calls are kept, arguments bound, in its
     `LayerReloadingInfo.loaded_weights` until its last weight arrives; a layer no bucket is
@@ -135,16 +135,13 @@ def detach_buffered(views: Iterable[torch.Tensor]) -> int:
 
     spans = [(v.data_ptr(), v.data_ptr() + v.nbytes) for v in views if v.nbytes]
     if not spans:
-        return 0
+        return
     lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
-    copied = 0
     for info in list(LAYERWISE_INFO.values()):
         for _, bound in info.loaded_weights:
             for key, value in bound.arguments.items():
                 if isinstance(value, torch.Tensor) and lo <= value.data_ptr() < hi:
                     bound.arguments[key] = value.clone()
-                    copied += value.nbytes
-    return copied
 
 
 class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
