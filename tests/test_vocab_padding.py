@@ -192,7 +192,7 @@ def test_forward_only_logprobs_equal_a_log_softmax_over_the_real_vocabulary(voca
     logits[..., vocab:] = 9.0  # would take probability mass if it were not left out
     ids = torch.randint(0, vocab, (2, 6))
     with torch.no_grad():
-        got = token_logprobs(logits, ids, temperature=temperature, vocab_size=vocab)
+        got = token_logprobs(logits.clone(), ids, temperature=temperature, vocab_size=vocab)  # it consumes its logits
     want = torch.log_softmax(logits[:, :-1, :vocab] / temperature, -1).gather(-1, ids[:, 1:, None])[..., 0]
     assert got.shape == ids.shape and torch.all(got[:, 0] == 0)
     torch.testing.assert_close(got[:, 1:], want, rtol=0, atol=1e-5)

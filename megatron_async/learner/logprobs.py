@@ -68,26 +68,31 @@ def mask_vocab_padding(logits: torch.Tensor, vocab_size: int | None, tp: int | N
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
                    vocab_size: int | None = None) -> torch.Tensor:
     """[b, s, vocab/TP] vocab-parallel logits -> [b, s] logprobs of each token given its prefix.
-    `vocab_size`: the real (HF) vocabulary; the logits of padded rows beyond it are masked out."""
+    `vocab_size`: the real (HF) vocabulary; the logits of padded rows beyond it are masked out.
+    Consumes `logits`: fp32 logits are worked on in place, so a caller must not read them after."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     if not torch.is_grad_enabled():  # reference / old-policy logprobs: nothing to keep for a backward
         return _token_logprobs_no_grad(logits, input_ids, temperature, vocab_size)
-    # [b, s, v] -> [s-1, b, v]: position t predicts token t+1. A fresh contiguous copy, because
-    # vocab_parallel_cross_entropy subtracts the max from its input in place (and we mask it);
-    # copy=True: `.float().contiguous()` would be a view of the output for an fp32 [1, s, v] batch.
-    shifted = logits.transpose(0, 1)[:-1].to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    # vocab_parallel_cross_entropy works IN PLACE on its input: it subtracts the max, exponentiates
+    # and normalises there, and keeps the result for its backward. As megatron's own language-model
+    # loss does, it gets the model's fp32 logits themselves (a copy only for bf16 logits, or a view
+    # that is not contiguous): they are this function's alone (GPTModel's fresh [b, s, v] output,
+    # which the output layer's backward does not read), and every logits-sized temporary costs a
+    # fresh mapping on CPU (docs/performance.md, page faults). Position t predicts token t + 1; the
+    # last position gets a placeholder target (0) and its logprob is dropped.
+    scaled = logits.to(torch.float32, memory_format=torch.contiguous_format)
     if temperature != 1.0:
-        shifted = shifted / temperature
-    mask_vocab_padding(shifted, vocab_size)
-    target = input_ids.transpose(0, 1)[1:].contiguous()
-    logprobs = -vocab_parallel_cross_entropy(shifted, target).transpose(0, 1)  # [b, s-1]
-    return torch.nn.functional.pad(logprobs, (1, 0))
+        scaled = scaled.div_(temperature)
+    mask_vocab_padding(scaled, vocab_size)
+    target = torch.nn.functional.pad(input_ids[:, 1:], (0, 1))
+    logprobs = -vocab_parallel_cross_entropy(scaled, target)  # [b, s]: position t scores token t + 1
+    return torch.nn.functional.pad(logprobs[:, :-1], (1, 0))
 
 
 def _token_logprobs_no_grad(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float,
                             vocab_size: int | None) -> torch.Tensor:
-    """`token_logprobs` without autograd, in three passes over the logits instead of ~nine.
+    """`token_logprobs` without autograd, in three passes over the logits instead of ~nine, in place.
 
     megatron's `vocab_parallel_cross_entropy` is built for training: it needs its input as a fresh
     fp32 copy (it works in place) and normalises the whole softmax to keep it for the backward. A
@@ -101,9 +106,11 @@ def _token_logprobs_no_grad(logits: torch.Tensor, input_ids: torch.Tensor, tempe
     group = ps.get_tensor_model_parallel_group() if tp > 1 else None
     per_rank = logits.shape[-1]
     real = per_rank if vocab_size is None else vocab_shard_real_rows(vocab_size, per_rank * tp, tp, rank)
-    shifted = logits[:, :-1, :real].float()  # [b, s-1, real]: position t predicts token t+1 (a view in fp32)
+    # [b, s-1, real]: position t predicts token t+1 (a view in fp32; worked on in place below, as
+    # nothing reads the logits after this)
+    shifted = logits[:, :-1, :real].float()
     if temperature != 1.0:
-        shifted = shifted / temperature
+        shifted.div_(temperature)
     target = input_ids[:, 1:] - rank * per_rank
     on_rank = (target >= 0) & (target < real)
     logits_max = shifted.amax(-1) if real else torch.full(target.shape, float("-inf"), device=logits.device)
@@ -111,7 +118,7 @@ def _token_logprobs_no_grad(logits: torch.Tensor, input_ids: torch.Tensor, tempe
     predicted = torch.where(on_rank, predicted, torch.zeros_like(predicted))
     if group is not None:
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-    sum_exp = torch.exp(shifted - logits_max[..., None]).sum(-1)
+    sum_exp = shifted.sub_(logits_max[..., None]).exp_().sum(-1)
     if group is not None:
         dist.all_reduce(sum_exp, group=group)
         dist.all_reduce(predicted, group=group)

@@ -90,7 +90,7 @@ def run_model(src: Path, out: Path):
     b, s = ids.shape
     with torch.no_grad():
         logits = gpt(ids, torch.arange(s).expand(b, s), _causal_mask(s, ids.device))  # [b, s, 512 / TP]
-        result["direct_masked"] = token_logprobs(logits, ids, vocab_size=model.arch.vocab_size)
+        result["direct_masked"] = token_logprobs(logits.clone(), ids, vocab_size=model.arch.vocab_size)  # consumed
         result["unmasked"] = token_logprobs(logits, ids)
 
     ddp, opt, sched = build_optimizer(model, OptimSettings(lr=1e-3, adam_eps=1e-6, clip_grad=1.0, weight_decay=0.1))
