@@ -1,8 +1,9 @@
-"""fp32 against bf16 megatron-core learner on CPU: the tiny model, one fixed batch, the same seed,
+"""fp32 against bf16 megatron-core learner on CPU: the tiny model (or HF_PATH), one fixed batch, the same seed,
 STEPS steps (default 5) of the SFT loss; prints the losses, grad norms and seconds per step as JSON.
 
     taskset -c 0 python tools/bf16_cpu_learner.py            # bf16 fails in megatron's optimizer
     PATCH=1 STEPS=12 taskset -c 0 python tools/bf16_cpu_learner.py
+    PATCH=1 HF_PATH=runs/smollm2 taskset -c 0 python tools/bf16_cpu_learner.py   # an exported checkpoint
 
 The learner is fp32 on CPU (learner/model.py). This measures why: megatron-core 0.16.1's
 Float16OptimizerWithFloat16Params accepts only torch.cuda.* parameter types, and with PATCH=1 (its
@@ -29,6 +30,7 @@ os.environ.setdefault("MASTER_PORT", "29731")
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
 STEPS = int(os.environ.get("STEPS", "5"))
+HF_PATH = os.environ.get("HF_PATH", "tiny")  # model.hf_path: the built-in tiny model or a checkpoint
 
 def _cuda_type_names(init):
     """Experimental shim (PATCH=1): during the optimizer's constructor, CPU tensors report the
@@ -52,7 +54,8 @@ if os.environ.get("PATCH") == "1":
     from megatron.core.optimizer import optimizer as _mopt
     _mopt.Float16OptimizerWithFloat16Params.__init__ = _cuda_type_names(_mopt.Float16OptimizerWithFloat16Params.__init__)
     print("PATCH: Float16OptimizerWithFloat16Params.__init__ sees torch.cuda.* type names", flush=True)
-cfg = load_config(REPO / "configs" / "cpu_tiny.yaml", ["run.out_dir=/tmp/bf16_cpu_learner", "run.name=tiny_model"])
+cfg = load_config(REPO / "configs" / "cpu_tiny.yaml",
+                  ["run.out_dir=/tmp/bf16_cpu_learner", "run.name=tiny_model", f"model.hf_path={HF_PATH}"])
 layout = init_parallel(1, 1, seed=1234)
 src = prepare_base_model(cfg)
 
