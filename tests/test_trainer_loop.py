@@ -97,7 +97,7 @@ class FakeRollout:
 
     def evaluate(self, tag, version, tracker):
         self.events("evaluate", tag, version)
-        return None
+        return 0.25 if tag.startswith("step") else None  # held out during the run (trainer.eval_every)
 
     def close(self):
         self.closed = True
@@ -130,8 +130,11 @@ class FakeWeights:
 
 
 class FakeReport:
+    def __init__(self):
+        self.metrics = {}  # step -> what the loop recorded
+
     def record(self, step, batch, metrics):
-        pass
+        self.metrics[step] = metrics
 
     def finish(self, *args):
         pass
@@ -166,6 +169,15 @@ def test_each_step_takes_trains_waits_for_the_old_weights_pushes_then_notifies(t
     assert loop == expected
     assert [e for e in events.log if e[0] == "evaluate"] == [("evaluate", "before", 0), ("evaluate", "after", 3)]
     assert no_files == [3]  # the final checkpoint only (checkpoint_every=0)
+
+
+def test_an_evaluation_during_the_run_is_recorded_with_the_step_whose_weights_it_evaluated(tmp_path, one_rank_group, no_files):
+    trainer, events = make_trainer(tmp_path, one_rank_group, "trainer.steps=5", "trainer.eval_every=2")
+    trainer.train()
+    assert [e for e in events.log if e[0] == "evaluate"] == [("evaluate", "before", 0), ("evaluate", "step2", 2),
+                                                             ("evaluate", "step4", 4), ("evaluate", "after", 5)]
+    assert {s: m.get("eval/held_out") for s, m in trainer.report.metrics.items()} == {0: None, 1: 0.25, 2: None,
+                                                                                     3: 0.25, 4: None}
 
 
 def test_a_replica_reported_stale_during_a_wait_gets_the_current_version_first(tmp_path, one_rank_group, no_files):

@@ -8,10 +8,12 @@ from pathlib import Path
 from megatron_async.io_utils import atomic_write_bytes
 
 
-def plot_training(history: list[dict], out: str | os.PathLike, title: str = "") -> Path:
-    """Six panels by learner step: reward, KL to the reference, loss (and the fraction of weights each
-    sync changed), time per step by phase, the staleness monitor (KL generator -> learner, ESS) and
-    the lag (measured, and the bound in force)."""
+def plot_training(history: list[dict], out: str | os.PathLike, title: str = "",
+                  held_out: list[tuple[int, float]] = ()) -> Path:
+    """Six panels by learner step: reward (and `held_out`: the held-out greedy metric as (step, value)
+    after that step's weights, step -1 = before training), KL to the reference, loss (and the
+    fraction of weights each sync changed), time per step by phase, the staleness monitor (KL
+    generator -> learner, ESS) and the lag (measured, and the bound in force)."""
     import matplotlib  # heavy, and only needed when a plot is written
 
     matplotlib.use("Agg")
@@ -24,7 +26,10 @@ def plot_training(history: list[dict], out: str | os.PathLike, title: str = "") 
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 7))
     ax = axes[0, 0]
-    ax.plot(steps, series("reward/mean"), marker=".")
+    ax.plot(steps, series("reward/mean"), marker=".", label="reward (mean over samples)")
+    if held_out:
+        ax.plot(*zip(*held_out), "s-", color="tab:orange", label="held-out, greedy (before, trainer.eval_every, after)")
+        ax.legend(fontsize=8)
     ax.set_title("reward (mean over samples)")
     ax = axes[0, 1]
     ax.plot(steps, series("kl/ref"), marker=".", color="tab:red")

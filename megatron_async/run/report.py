@@ -78,7 +78,12 @@ class StepReport:
     def finish(self, before: float | None, after: float | None, n_eval: int, checkpoint: Path | None) -> None:
         """The training plot, history.json (read by `bench`) and the summary on the terminal."""
         run_dir, cfg = self.cfg.run_dir, self.cfg
-        png = plot_training(self.history, run_dir / "training.png",
+        held_out = [(h["step"], h["eval/held_out"]) for h in self.history if "eval/held_out" in h]
+        if before is not None:
+            held_out.insert(0, (-1, before))
+        if after is not None and self.history:
+            held_out.append((self.history[-1]["step"], after))
+        png = plot_training(self.history, run_dir / "training.png", held_out=held_out,
                             title=f"{cfg.run.name}: {cfg.trainer.algorithm}, max_lag={cfg.rollout.max_lag}")
         self.tracker.log_artifact(png)
         self.tracker.log_artifact(run_dir / "config.yaml")

@@ -130,14 +130,17 @@ class Trainer:
                     self._wait_until(lambda: self.rollout.producer.old_weights_done(step))
                 with timer("sync"):
                     synced = self.weights.push(step + 1, self.learner.hf_weights())
+                held_out = None
                 if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
-                    self._evaluate(f"step{step + 1}")  # replicas hold version step+1 until the next push
+                    held_out = self._evaluate(f"step{step + 1}")  # replicas hold version step+1 until the next push
                 if self.rollout is not None:
                     self.rollout.producer.notify_synced(step + 1)
             metrics.update({**timer.metrics(), "weight_sync/gb_per_s": synced.gb_per_s,
                             "timing/generation_s": batch.gen_seconds, "timing/reward_s": batch.score_seconds})
             if synced.changed_fraction is not None:
                 metrics["weight_sync/changed_fraction"] = synced.changed_fraction
+            if held_out is not None:  # also in the tracker by policy version (eval/pass_at_1): here for the plot
+                metrics["eval/held_out"] = held_out
             if self.rollout is not None:
                 metrics.update(self.rollout.step_metrics())
                 self.report.record(step, batch, metrics)
