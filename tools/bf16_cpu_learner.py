@@ -55,7 +55,7 @@ if os.environ.get("PATCH") == "1":
     _mopt.Float16OptimizerWithFloat16Params.__init__ = _cuda_type_names(_mopt.Float16OptimizerWithFloat16Params.__init__)
     print("PATCH: Float16OptimizerWithFloat16Params.__init__ sees torch.cuda.* type names", flush=True)
 cfg = load_config(REPO / "configs" / "cpu_tiny.yaml",
-                  ["run.out_dir=/tmp/bf16_cpu_learner", "run.name=tiny_model", f"model.hf_path={HF_PATH}"])
+                  ["run.out_dir=/tmp/bf16_cpu_learner", "run.name=bf16_cpu_learner", f"model.hf_path={HF_PATH}"])
 layout = init_parallel(1, 1, seed=1234)
 src = prepare_base_model(cfg)
 
