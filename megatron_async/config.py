@@ -237,6 +237,11 @@ class TrainerConfig:
         "(run/auto_balance.py: the paper's Section 4)")
     max_updates_per_batch: int = opt(4, "auto_balance: the highest T it may choose")
     micro_batch_size: int = opt(8, "sequences per forward/backward microbatch")
+    logits_chunk_mb: int = opt(0,
+        "0 = each microbatch's logits are made at once (fastest: the LM head runs once); N = at most N MB of "
+        "fp32 logits per TP rank at a time, each chunk recomputed in the backward (one more LM-head GEMM), so "
+        "the LM head's memory is bounded: LLaMA-3's 128k vocabulary makes 4 GB of fp32 logits per 8k-token "
+        "microbatch, and the loss several such tensors (learner/lm_head.py, docs/performance.md)")
     beta: float = opt(0.1, "DPO beta / KL coefficient")
     dpo_loss: Literal["sigmoid", "ipo"] = opt("sigmoid", "online_dpo: the DPO (sigmoid) or IPO loss")
     dpo_nll_coef: float = opt(0.0,
@@ -531,6 +536,7 @@ def validate(cfg: Config) -> None:
     _require(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
     _require(r.kv_cache_gib > 0, "rollout.kv_cache_gib", r.kv_cache_gib, "vLLM on CPU needs a KV cache size > 0")
     _require(r.sync_bucket_mb >= 1, "rollout.sync_bucket_mb", r.sync_bucket_mb, "must be >= 1")
+    _require(t.logits_chunk_mb >= 0, "trainer.logits_chunk_mb", t.logits_chunk_mb, "must be >= 0 (0 = whole logits)")
     _require(cfg.tracking.flush_timeout_s > 0, "tracking.flush_timeout_s", cfg.tracking.flush_timeout_s, "must be > 0")
     if r.weight_transport == "shm":
         _require(r.host in LOOPBACK_HOSTS and not cfg.placement.dedicated_replica_node and not r.replica_urls,

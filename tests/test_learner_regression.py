@@ -42,9 +42,12 @@ RECORDED = {
 
 
 @pytest.mark.integration  # a megatron-core learner process
+# chunked: 1 MB of logits (32 positions of 8 rows x 1024 words in fp32) at a time, recomputed in
+# the backward (learner/lm_head.py), against the recorded whole logits
+@pytest.mark.parametrize("overrides", [[], ["trainer.logits_chunk_mb=1"]], ids=["whole-logits", "chunked-logits"])
 @pytest.mark.parametrize("algorithm", sorted(RECORDED))
-def test_learner_steps_match_the_recorded_values(algorithm, tmp_path):
-    out = run_worker("learner_steps_worker.py", algorithm, tmp_path)
+def test_learner_steps_match_the_recorded_values(algorithm, overrides, tmp_path):
+    out = run_worker("learner_steps_worker.py", algorithm, tmp_path, *overrides)
     steps = json.loads(next(line for line in out.splitlines() if line.startswith("STEPS "))[len("STEPS "):])
     assert len(steps) == len(RECORDED[algorithm])
     for step, (got, want) in enumerate(zip(steps, RECORDED[algorithm])):

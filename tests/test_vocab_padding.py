@@ -174,25 +174,3 @@ def test_vocab_tp_does_not_divide_works_at_tp2(tmp_path):
         for k in weights:
             assert torch.equal(exported[k], weights[k]), k
         assert read_arch(out / f"{src.name}_export") == read_arch(src)
-
-
-@pytest.mark.parametrize("vocab, temperature", [(VOCAB, 1.0), (VOCAB - 5, 1.0), (VOCAB - 5, 0.7)])
-def test_forward_only_logprobs_equal_a_log_softmax_over_the_real_vocabulary(vocab, temperature, monkeypatch):
-    """The no-grad path of `token_logprobs` (reference / old-policy logprobs: max, sum of exp and
-    the target's logit, padding columns sliced off) gives the log-softmax over the real vocabulary
-    at the next token, aligned like the training path (position 0 is 0). One TP rank."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_async.learner.logprobs import token_logprobs
-
-    monkeypatch.setattr(ps, "get_tensor_model_parallel_world_size", lambda: 1)
-    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 0)
-    padded = padded_vocab_size(vocab, 1)
-    logits = torch.randn(2, 6, padded) * 3
-    logits[..., vocab:] = 9.0  # would take probability mass if it were not left out
-    ids = torch.randint(0, vocab, (2, 6))
-    with torch.no_grad():
-        got = token_logprobs(logits.clone(), ids, temperature=temperature, vocab_size=vocab)  # it consumes its logits
-    want = torch.log_softmax(logits[:, :-1, :vocab] / temperature, -1).gather(-1, ids[:, 1:, None])[..., 0]
-    assert got.shape == ids.shape and torch.all(got[:, 0] == 0)
-    torch.testing.assert_close(got[:, 1:], want, rtol=0, atol=1e-5)

@@ -3,7 +3,9 @@
 One path serves all: `forward_backward(model, microbatches, loss_fn)` runs megatron's
 `get_forward_backward_func()` (no pipelining, or 1F1B when PP > 1) and, on the last stage, turns
 the model's output into one number per token, then calls `loss_fn` on it. For the policy that is
-the logprob of each token, from the vocab-parallel logits with megatron's
+the logprob of each token: the model returns its final hidden states (its LM head is deferred,
+`learner.lm_head`) and `token_logprobs` projects them to vocab-parallel logits, all at once or a
+chunk of tokens at a time (`trainer.logits_chunk_mb`), through megatron's
 `vocab_parallel_cross_entropy` (full-vocabulary logits are never gathered); for a PPO value model
 (`learner.value`) it is the value of the state each token was generated from. The model's record
 decides which (`LearnerModel.value_head`), so `learner.optimizer.train_step` serves both. `compute_logprobs` and
@@ -36,7 +38,9 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
+from megatron_async.learner.lm_head import LMHead, lm_head
 from megatron_async.learner.model import LearnerModel, unwrap_model, vocab_shard_real_rows
 
 LossFn = Callable[[torch.Tensor, dict], "tuple[torch.Tensor, dict]"]
@@ -65,40 +69,67 @@ def mask_vocab_padding(logits: torch.Tensor, vocab_size: int | None, tp: int | N
     return logits
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
-                   vocab_size: int | None = None) -> torch.Tensor:
-    """[b, s, vocab/TP] vocab-parallel logits -> [b, s] logprobs of each token given its prefix.
-    `vocab_size`: the real (HF) vocabulary; the logits of padded rows beyond it are masked out.
-    Consumes `logits`: fp32 logits are worked on in place, so a caller must not read them after."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+def token_logprobs(hidden: torch.Tensor, input_ids: torch.Tensor, head: LMHead, temperature: float = 1.0,
+                   vocab_size: int | None = None, chunk_bytes: int = 0) -> torch.Tensor:
+    """[b, s, hidden] final hidden states -> [b, s] logprobs of each token given its prefix.
 
-    if not torch.is_grad_enabled():  # reference / old-policy logprobs: nothing to keep for a backward
-        return _token_logprobs_no_grad(logits, input_ids, temperature, vocab_size)
-    # vocab_parallel_cross_entropy works IN PLACE on its input: it subtracts the max, exponentiates
-    # and normalises there, and keeps the result for its backward. As megatron's own language-model
-    # loss does, it gets the model's fp32 logits themselves (a copy only for bf16 logits, or a view
-    # that is not contiguous): they are this function's alone (GPTModel's fresh [b, s, v] output,
-    # which the output layer's backward does not read), and every logits-sized temporary costs a
-    # fresh mapping on CPU (docs/performance.md, page faults). Position t predicts token t + 1; the
-    # last position gets a placeholder target (0) and its logprob is dropped.
-    scaled = logits.to(torch.float32, memory_format=torch.contiguous_format)
-    if temperature != 1.0:
-        scaled = scaled.div_(temperature)
-    mask_vocab_padding(scaled, vocab_size)
-    target = torch.nn.functional.pad(input_ids[:, 1:], (0, 1))
-    logprobs = -vocab_parallel_cross_entropy(scaled, target)  # [b, s]: position t scores token t + 1
+    `hidden`: GPTModel's output with its LM head deferred (`learner.lm_head`; under sequence
+    parallelism this rank's [b, s / TP, hidden]); `head` projects them to vocab-parallel logits.
+    `vocab_size`: the real (HF) vocabulary; the logits of padded rows beyond it are masked out.
+    `chunk_bytes` (`LearnerModel.logits_chunk_bytes`; 0 = all at once): the logits are made at most
+    that many fp32 bytes at a time, in chunks of positions, or under sequence parallelism of rows
+    (the projection gathers the sequence). With gradients, each chunk is recomputed in the backward
+    (activation checkpointing) when there is more than one, so only one chunk's logits, softmax and
+    gradient exist at a time; one chunk is computed once."""
+    h = hidden.transpose(0, 1)  # [s, b, hidden]: megatron's layout, the projection's input (a view)
+    # position t scores token t + 1; the last position gets a placeholder target (0), dropped below
+    target = torch.nn.functional.pad(input_ids[:, 1:], (0, 1)).t()  # [s, b]
+    dim = 1 if head.sequence_parallel else 0
+    tokens_per_slice = target.shape[1 - dim]
+    n = h.shape[dim]
+    step = n if chunk_bytes <= 0 else max(1, chunk_bytes // (tokens_per_slice * head.vocab_per_rank * 4))
+    pieces = []
+    for start in range(0, n, step):
+        size = min(step, n - start)
+        # contiguous: a GEMM on the strided view is several times slower on CPU (measured 4.5x)
+        h_chunk, target_chunk = h.narrow(dim, start, size).contiguous(), target.narrow(dim, start, size).contiguous()
+        if not torch.is_grad_enabled():  # reference / old-policy logprobs: nothing to keep for a backward
+            pieces.append(_chunk_logprobs_no_grad(head(h_chunk), target_chunk, temperature, vocab_size))
+        elif step >= n:
+            pieces.append(_chunk_logprobs(h_chunk, target_chunk, head, temperature, vocab_size))
+        else:
+            pieces.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, h_chunk, target_chunk, head, temperature,
+                                                            vocab_size, use_reentrant=False))
+    logprobs = torch.cat(pieces, dim).t()  # [b, s]: position t scores token t + 1
     return torch.nn.functional.pad(logprobs[:, :-1], (1, 0))
 
 
-def _token_logprobs_no_grad(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float,
-                            vocab_size: int | None) -> torch.Tensor:
-    """`token_logprobs` without autograd, in three passes over the logits instead of ~nine, in place.
+def _chunk_logprobs(hidden: torch.Tensor, target: torch.Tensor, head: LMHead, temperature: float,
+                    vocab_size: int | None) -> torch.Tensor:
+    """[s', b', hidden] hidden states and [s', b'] targets -> [s', b'] log p(target), differentiably.
 
-    megatron's `vocab_parallel_cross_entropy` is built for training: it needs its input as a fresh
-    fp32 copy (it works in place) and normalises the whole softmax to keep it for the backward. A
-    forward-only pass needs only log p(target) = logit[target] - max - log(sum(exp(logit - max))),
-    the max, the sum and the target's logit all-reduced over the TP group as megatron does; padded
-    vocabulary rows are left out by slicing this rank's real columns (no copy, no -inf fill).
+    megatron's `vocab_parallel_cross_entropy` works IN PLACE on its input (it subtracts the max,
+    exponentiates and normalises there, and keeps the result for its backward); it gets the
+    projection's own fp32 logits, as megatron's language-model loss does (a copy only for bf16)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits.div_(temperature)
+    mask_vocab_padding(logits, vocab_size)
+    return -vocab_parallel_cross_entropy(logits, target)
+
+
+def _chunk_logprobs_no_grad(logits: torch.Tensor, target: torch.Tensor, temperature: float,
+                            vocab_size: int | None) -> torch.Tensor:
+    """[s', b', vocab / TP] logits and [s', b'] targets -> [s', b'] log p(target), without autograd,
+    in three passes over the logits instead of ~nine, in place (it consumes `logits`).
+
+    megatron's `vocab_parallel_cross_entropy` is built for training: it normalises the whole
+    softmax to keep it for the backward. A forward-only pass needs only log p(target) =
+    logit[target] - max - log(sum(exp(logit - max))), the max, the sum and the target's logit
+    all-reduced over the TP group as megatron does; padded vocabulary rows are left out by slicing
+    this rank's real columns (no copy, no -inf fill).
     """
     from megatron.core import parallel_state as ps
 
@@ -106,23 +137,21 @@ def _token_logprobs_no_grad(logits: torch.Tensor, input_ids: torch.Tensor, tempe
     group = ps.get_tensor_model_parallel_group() if tp > 1 else None
     per_rank = logits.shape[-1]
     real = per_rank if vocab_size is None else vocab_shard_real_rows(vocab_size, per_rank * tp, tp, rank)
-    # [b, s-1, real]: position t predicts token t+1 (a view in fp32; worked on in place below, as
-    # nothing reads the logits after this)
-    shifted = logits[:, :-1, :real].float()
+    own = logits[..., :real].float()  # a view in fp32 (a copy for bf16), worked on in place below
     if temperature != 1.0:
-        shifted.div_(temperature)
-    target = input_ids[:, 1:] - rank * per_rank
-    on_rank = (target >= 0) & (target < real)
-    logits_max = shifted.amax(-1) if real else torch.full(target.shape, float("-inf"), device=logits.device)
-    predicted = shifted.gather(-1, target.clamp(0, max(real - 1, 0))[..., None])[..., 0] if real else torch.zeros_like(logits_max)
+        own.div_(temperature)
+    local = target - rank * per_rank
+    on_rank = (local >= 0) & (local < real)
+    logits_max = own.amax(-1) if real else torch.full(target.shape, float("-inf"), device=logits.device)
+    predicted = own.gather(-1, local.clamp(0, max(real - 1, 0))[..., None])[..., 0] if real else torch.zeros_like(logits_max)
     predicted = torch.where(on_rank, predicted, torch.zeros_like(predicted))
     if group is not None:
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-    sum_exp = shifted.sub_(logits_max[..., None]).exp_().sum(-1)
+    sum_exp = own.sub_(logits_max[..., None]).exp_().sum(-1)
     if group is not None:
         dist.all_reduce(sum_exp, group=group)
         dist.all_reduce(predicted, group=group)
-    return torch.nn.functional.pad(predicted - logits_max - sum_exp.log(), (1, 0))
+    return predicted - logits_max - sum_exp.log()
 
 
 def token_values(output: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -152,14 +181,13 @@ def _forward_step(data_iterator, model, *, loss_fn: LossFn, per_token: Callable,
         tokens = torch.nn.functional.pad(tokens, (0, run_len - s))
     position_ids = torch.arange(run_len, device=device).expand(b, run_len)
     output = model(tokens, position_ids, _causal_mask(run_len, device))
-    return output, partial(_loss_on_last_stage, mb, loss_fn=loss_fn, per_token=per_token)
+    return output, partial(_loss_on_last_stage, mb, tokens, unwrap_model(model), loss_fn=loss_fn, per_token=per_token)
 
 
-def _loss_on_last_stage(mb: dict, output: torch.Tensor, *, loss_fn: LossFn, per_token: Callable):
+def _loss_on_last_stage(mb: dict, tokens: torch.Tensor, gpt, output: torch.Tensor, *, loss_fn: LossFn,
+                        per_token: Callable):
     s = mb["input_ids"].shape[1]
-    if output.shape[1] != s:
-        output = output[:, :s]
-    out = per_token(output, mb["input_ids"])  # [b, s] logprobs or values
+    out = per_token(gpt)(output, tokens)[:, :s]  # [b, s] logprobs or values (sequence-parallel padding cut off)
     if "loss_mask" in mb:
         out = out * mb["loss_mask"].to(out.dtype)
     loss, metrics = loss_fn(out, mb)
@@ -213,8 +241,14 @@ def forward_backward(model: LearnerModel, microbatches: list[dict], loss_fn: Los
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     chunks = model.chunks
-    per_token = token_values if model.value_head else partial(
-        token_logprobs, temperature=temperature, vocab_size=model.arch.vocab_size)  # padding rows masked
+
+    def per_token(gpt) -> Callable:  # (GPTModel output, input_ids) -> [b, s], for this stage's GPTModel
+        if model.value_head:
+            return token_values
+        return partial(token_logprobs, head=lm_head(gpt), temperature=temperature,
+                       vocab_size=model.arch.vocab_size,  # padding rows masked
+                       chunk_bytes=model.logits_chunk_bytes)
+
     b, s = _check_microbatches(microbatches)
     multiple = seq_multiple(chunks)
     run_len = -(-s // multiple) * multiple

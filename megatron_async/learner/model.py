@@ -162,6 +162,7 @@ class LearnerModel:
     perf: "ResolvedPerf"  # the performance settings it was built with (learner.optimizer: DDP overlap)
     hf_config: dict | None  # the checkpoint's config.json (written into checkpoints and HF exports)
     value_head: bool = False  # the output layer is a ValueHead (learner/value.py): a value model
+    logits_chunk_bytes: int = 0  # the LM head's fp32 logits per chunk, recomputed in the backward; 0 = whole (learner/lm_head.py)
 
 
 def unwrap_model(chunk):
@@ -231,7 +232,7 @@ def transformer_config(arch: LlamaArch, tp: int = 1, pp: int = 1, dtype: torch.d
 
 def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dtype | None = None,
                 perf: "PerfSettings | ResolvedPerf | None" = None,
-                make_vocab_size_divisible_by: int = VOCAB_DIVISIBLE_BY) -> LearnerModel:
+                make_vocab_size_divisible_by: int = VOCAB_DIVISIBLE_BY, logits_chunk_bytes: int = 0) -> LearnerModel:
     """Build this rank's model chunk(s) (one: no virtual pipeline) with random weights (the
     vocabulary's padding rows zero); load real ones with `learner.mapping.load_hf_weights`.
 
@@ -241,6 +242,7 @@ def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dt
     `learner.optimizer.build_optimizer` reads the DDP overlap settings).
     `make_vocab_size_divisible_by`: the vocabulary is padded to a multiple of it x TP (module
     docstring; the record's `padded_vocab_size`).
+    `logits_chunk_bytes`: the record's; `trainer.logits_chunk_mb` (learner/lm_head.py).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -250,6 +252,7 @@ def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dt
     )
 
     from megatron_async.learner.attention import SDPAttention
+    from megatron_async.learner.lm_head import defer_lm_head
     from megatron_async.learner.perf import Backend, ResolvedPerf, resolve
 
     if isinstance(hf_config, LlamaArch):
@@ -298,9 +301,10 @@ def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dt
             original_max_position_embeddings=rope["original_max_position_embeddings"],
         )
     _zero_vocab_padding(model, arch.vocab_size, vocab, tp)
+    defer_lm_head(model)  # the loss projects the hidden states chunk by chunk (learner/lm_head.py)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
-    return LearnerModel([model], arch, vocab, perf, raw)
+    return LearnerModel([model], arch, vocab, perf, raw, logits_chunk_bytes=logits_chunk_bytes)
 
 
 def vocab_shard_real_rows(vocab_size: int, padded: int, tp: int, rank: int) -> int:

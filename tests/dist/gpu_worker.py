@@ -39,9 +39,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def logits_of(model, ids):
     """TP=1 logits over the HF vocabulary (the learner's padding columns cut off)."""
+    from megatron_async.learner.lm_head import whole_logits
+
     b, s = ids.shape
     mask = torch.ones(s, s, dtype=torch.bool, device=ids.device).triu(1).view(1, 1, s, s)
-    out = model.chunks[0](ids, torch.arange(s, device=ids.device).expand(b, s), mask).float()
+    hidden = model.chunks[0](ids, torch.arange(s, device=ids.device).expand(b, s), mask)
+    out = whole_logits(model.chunks[0], hidden).float()
     return out[..., :model.arch.vocab_size]
 
 

@@ -18,7 +18,10 @@ def megatron_logits(model, ids):
     """TP=1 logits over the HF vocabulary (the learner's padding columns cut off)."""
     b, s = ids.shape
     mask = torch.ones(s, s, dtype=torch.bool).triu(1).view(1, 1, s, s)
-    return model.chunks[0](ids, torch.arange(s).expand(b, s), mask)[..., :model.arch.vocab_size]
+    from megatron_async.learner.lm_head import whole_logits
+
+    hidden = model.chunks[0](ids, torch.arange(s).expand(b, s), mask)
+    return whole_logits(model.chunks[0], hidden)[..., :model.arch.vocab_size]
 
 
 def compare(src: Path) -> dict:

@@ -1,11 +1,12 @@
 """A few learner steps of the main job's model on fixed synthetic batches; prints their metrics as JSON.
 
-    python tests/dist/learner_steps_worker.py ALGORITHM RUN_DIR
+    python tests/dist/learner_steps_worker.py ALGORITHM RUN_DIR [OVERRIDE ...]
 
 One rank (gloo), the main job's tiny model and config (`configs/cpu_tiny.yaml`, seed 1234) with
 `trainer.algorithm=ALGORITHM`, 16 prompts x K=4 per step (`bench.learner.synthetic_batch`, seeds
 0, 1, 2). test_learner_regression.py compares the losses with values recorded before a change to
-the learner's step (behaviour unchanged to float tolerance).
+the learner's step (behaviour unchanged to float tolerance). OVERRIDEs (`key=value`) change
+settings that must not change the numbers, e.g. `trainer.logits_chunk_mb`.
 """
 import json
 import sys
@@ -26,7 +27,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "cpu_tiny.yaml",
                       [f"run.out_dir={run_dir}", f"trainer.algorithm={algorithm}", "rollout.prompts_per_step=16",
-                       "rollout.k=4", "trainer.micro_batch_size=8", "trainer.steps=3"])
+                       "rollout.k=4", "trainer.micro_batch_size=8", "trainer.steps=3", *sys.argv[3:]])
     layout = init_parallel(1, 1, seed=cfg.run.seed)
     model_dir = prepare_base_model(cfg)
     tokenizer = load_tokenizer(model_dir)

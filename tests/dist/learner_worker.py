@@ -7,6 +7,7 @@ save (from the ranks that hold them) full logits, logprobs, one train step's los
 HF-layout gradients and the HF-layout weights after the Adam step, as OUT/<model>_*.pt.
 """
 import argparse
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,12 +36,16 @@ def full_logits(model, ids):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    from megatron_async.learner.lm_head import whole_logits
+    from megatron_async.learner.model import unwrap_model
+
     vocab = model.arch.vocab_size
 
     def step(_, chunk):
         b, s = ids.shape
         out = chunk(ids, torch.arange(s).expand(b, s), torch.ones(s, s, dtype=torch.bool).triu(1).view(1, 1, s, s))
-        return out, lambda x: (x.new_zeros(()), {"logits": gather_from_tensor_model_parallel_region(x)[..., :vocab]})
+        logits = partial(whole_logits, unwrap_model(chunk))  # the hidden states -> [b, s, vocab / TP]
+        return out, lambda x: (x.new_zeros(()), {"logits": gather_from_tensor_model_parallel_region(logits(x))[..., :vocab]})
 
     with torch.no_grad():
         store = get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=model.chunks,

@@ -59,6 +59,7 @@ def run_model(src: Path, out: Path):
 
     from megatron_async.learner.convert import hf_to_megatron, megatron_to_hf
     from megatron_async.learner.hf_export import export_hf
+    from megatron_async.learner.lm_head import lm_head
     from megatron_async.learner.logprobs import _causal_mask, compute_logprobs, token_logprobs
     from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
     from megatron_async.learner.model import build_model
@@ -89,9 +90,9 @@ def run_model(src: Path, out: Path):
     ids = mbs[0]["input_ids"]
     b, s = ids.shape
     with torch.no_grad():
-        logits = gpt(ids, torch.arange(s).expand(b, s), _causal_mask(s, ids.device))  # [b, s, 512 / TP]
-        result["direct_masked"] = token_logprobs(logits.clone(), ids, vocab_size=model.arch.vocab_size)  # consumed
-        result["unmasked"] = token_logprobs(logits, ids)
+        hidden = gpt(ids, torch.arange(s).expand(b, s), _causal_mask(s, ids.device))  # [b, s, hidden]
+        result["direct_masked"] = token_logprobs(hidden, ids, lm_head(gpt), vocab_size=model.arch.vocab_size)
+        result["unmasked"] = token_logprobs(hidden, ids, lm_head(gpt))  # logits [b, s, 512 / TP], no mask
 
     ddp, opt, sched = build_optimizer(model, OptimSettings(lr=1e-3, adam_eps=1e-6, clip_grad=1.0, weight_decay=0.1))
     result["metrics"] = train_step(ddp, opt, sched, mbs, nll)
