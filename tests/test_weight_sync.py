@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import collections
 import os
+import shutil
 import struct
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load as st_load
+from safetensors.torch import save_file
 
 from megatron_async.rollout import ReplicaClient, ReplicaPool, Sampling
 from megatron_async.weights import host_memory as sync_mod
@@ -349,6 +352,43 @@ def test_shm_and_http_carriers_give_identical_samples_and_logprobs(pool, models)
     assert [r.token_ids for r in shm] == [r.token_ids for r in http]
     assert max(abs(x - y) for r, s in zip(shm, http) for x, y in zip(r.logprobs, s.logprobs)) < 1e-5
     assert [r.token_ids for r in results[(b, "http")]] != [r.token_ids for r in http]
+
+
+def sparsely_changed(model_dir: Path, out_dir: Path, fraction: float, seed: int) -> Path:
+    """A copy of an HF checkpoint with `fraction` of each tensor's elements changed (x 1.5), as a
+    bf16 sync after a small Adam step changes a few percent (weights/delta.py)."""
+    shutil.copytree(model_dir, out_dir)
+    gen = torch.Generator().manual_seed(seed)
+    weights = state_dict(model_dir)
+    for t in weights.values():
+        pick = torch.rand(t.shape, generator=gen) < fraction
+        t[pick] *= 1.5
+    save_file(weights, str(out_dir / "model.safetensors"))
+    return out_dir
+
+
+@pytest.mark.integration
+def test_delta_syncs_load_the_pushed_weights_and_a_replica_that_missed_one_gets_a_full_one(pool, models, tmp_path):
+    """One sender with `full_every=3`, as `rollout.sync_full_every: 3` keeps it: versions that
+    change 2% of the elements go as deltas between full pushes (a fraction of the bytes), and the
+    replicas serve exactly the pushed weights after each; after a push that only replica 0 took,
+    the next push is full (replica 1's kept base is a version behind)."""
+    v = pool.current_version
+    versions = [other(models, pool.held)]
+    for seed in range(1, 6):
+        versions.append(sparsely_changed(versions[-1], tmp_path / f"v{seed}", fraction=0.02, seed=seed))
+    pushes = []
+    with HostMemorySender(pool.urls, pool.key, timeout_s=60, bucket_bytes=SMALL_BUCKET, transport="shm",
+                          full_every=3) as sender:
+        for step, (model_dir, ids) in enumerate(zip(versions, [None] * 4 + [[0], None]), start=1):
+            metrics, done = sync(pool, model_dir, v + step, ids, sender=sender)
+            assert done == (ids or [0, 1]) and not metrics.failed
+            pushes.append(metrics)
+            if ids is None:
+                pool.held = model_dir
+                sample_and_check(pool, model_dir, v + step, seed=step)
+    assert [m.delta for m in pushes] == [False, True, True, False, True, False]
+    assert all(m.bytes < pushes[0].bytes / 5 for m in pushes if m.delta)  # fp32: 8 bytes per changed element
 
 
 @pytest.fixture(scope="module")

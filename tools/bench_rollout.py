@@ -21,6 +21,12 @@ with a note in the JSON when that package is not installed). For each model:
   per sync; the sender is created once per transport (the shm segment is reused). `gloo` (the
   broadcast sender of weights/broadcast.py over gloo) needs replicas running `mas_gloo`: a second
   pool of them is started after the first stops (its start-up is not reported).
+- delta sync (`--full-every N`, as `rollout.sync_full_every`; host-memory transports): before
+  every sync after the first, `--changed-fraction` of each tensor's elements change (x 1 + 2^-6,
+  in the replicas' dtype: a change every dtype keeps), so that deltas have the size they have in
+  a run (measured per step, `weight_sync/changed_fraction`: ~0.01-0.02 in bf16, 0.82-0.92 in
+  fp32). Each sync records whether it went as a delta and its bytes. Run it once with
+  `--full-every 0` (every sync full) and once with N > `--syncs` for full against delta.
 
 Placement: `--learner-cpus 0 --replica-cpus 1` put this process (the sender, and transformers)
 and the replicas where the CPU main job puts the learner and its replicas (configs/cpu_tiny.yaml):
@@ -109,11 +115,22 @@ def hf_generate(model_dir: Path, prompts: list[list[int]], n: int, max_tokens: i
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "load_avg": load, "threads": threads}
 
 
+def change_elements(state: dict, fraction: float, gen: torch.Generator) -> None:
+    """Change `fraction` of every tensor's elements of `state`, in place (module docstring)."""
+    for t in state.values():
+        pick = torch.rand(t.shape, generator=gen) < fraction
+        t[pick] *= 1 + 2 ** -6
+
+
 def measure_syncs(pool: ReplicaPool, sender: WeightSender, transport: str, state: dict, args,
                   first_version: int) -> list[dict]:
-    """`args.syncs` full weight updates of `state` through `sender`, one version each."""
+    """`args.syncs` weight updates of `state` through `sender`, one version each; from the second
+    on, `args.changed_fraction` of the elements changed before each."""
     syncs = []
+    gen = torch.Generator().manual_seed(0)
     for version in range(first_version, first_version + args.syncs):
+        if version > first_version and args.changed_fraction:
+            change_elements(state, args.changed_fraction, gen)
         load, t = os.getloadavg()[0], time.perf_counter()
         opened = pool.begin_update(None, "between_batches", timeout_s=300)
         m = sender.push(iter(state.items()), urls=[pool.urls[i] for i in opened])
@@ -122,7 +139,8 @@ def measure_syncs(pool: ReplicaPool, sender: WeightSender, transport: str, state
         if m.failed or len(published) != args.replicas:
             raise RuntimeError(f"sync {version} ({transport}): failed {m.failed}, published {published}")
         syncs.append({"transport": transport, "load_avg": load, "seconds": seconds, "push_seconds": m.seconds,
-                      "gb_per_s": m.bytes_total / seconds / 1e9,
+                      "gb_per_s": m.bytes_total / seconds / 1e9, "delta": m.delta,
+                      "changed_fraction": args.changed_fraction if version > first_version else None,
                       **{k: getattr(m, k) for k in ("bytes", "bytes_total", "send_seconds", "buckets")}})
     return syncs
 
@@ -154,7 +172,7 @@ def bench_model(name: str, model_dir: Path, args) -> dict:
         syncs = []
         for transport in [t for t in args.transports if t not in BROADCAST_TRANSPORTS]:  # this pool's engine: mas_cpu
             with HostMemorySender(pool.urls, pool.key, timeout_s=300, bucket_bytes=args.bucket_mb << 20,
-                                  transport=transport) as sender:
+                                  transport=transport, full_every=args.full_every) as sender:
                 syncs += measure_syncs(pool, sender, transport, state, args, first_version=len(syncs) + 1)
         result["syncs"] = syncs
     finally:
@@ -188,6 +206,10 @@ def main() -> None:
     p.add_argument("--transports", nargs="+", default=["auto"], choices=["auto", "shm", "http", "gloo"],
                    help="weight-sync transports to measure, --syncs pushes each (auto: shm for these local replicas; "
                         "gloo: a second pool of replicas running the broadcast engine)")
+    p.add_argument("--full-every", type=int, default=0,
+                   help="delta sync as rollout.sync_full_every (0: every sync full; host-memory transports)")
+    p.add_argument("--changed-fraction", type=float, default=0.0,
+                   help="fraction of the elements changed before each sync after the first (0: the same weights)")
     p.add_argument("--kv-mb", type=int, default=256)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the replicas' dtype (model.dtype)")
     p.add_argument("--hf-threads", type=int, default=1,

@@ -136,6 +136,7 @@ class Trainer:
                 if self.rollout is not None:
                     self.rollout.producer.notify_synced(step + 1)
             metrics.update({**timer.metrics(), "weight_sync/gb_per_s": synced.gb_per_s,
+                            "weight_sync/delta": float(synced.delta),  # only changed elements were sent
                             "timing/generation_s": batch.gen_seconds, "timing/reward_s": batch.score_seconds})
             if synced.changed_fraction is not None:
                 metrics["weight_sync/changed_fraction"] = synced.changed_fraction

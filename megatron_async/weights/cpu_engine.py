@@ -30,7 +30,11 @@ Invariants, per update (start -> update* -> finish), the same as vLLM's checkpoi
   holds from a shm segment (the weights of a layer that the next bucket completes) is copied out
   (`detach_buffered`): the sender rewrites a segment two buckets later. An http payload is this
   call's own bytes: nothing to copy.
-- A bucket that fails (bad checksum, missing segment) ends the update: vLLM's worker closes its
+- Delta sync (weights/delta.py): with `keep` the engine keeps a copy of every tensor it loads
+  (`DeltaDecoder`), and a tensor named `<name>#delta` overwrites the changed elements of that
+  copy, which is then loaded whole. Kept copies are the engine's own memory: nothing of the
+  segment stays referenced, so there is nothing to copy out.
+- A bucket that fails (bad checksum, missing segment, a delta without a base) ends the update: vLLM's worker closes its
   session, and the layers still waiting for weights are restored as they were
   (`abort_layerwise_reload`), so that a later full update starts clean.
 - A last `{"verify": true}` call fails if any model parameter was not covered by the update (a
@@ -52,6 +56,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 
 from megatron_async.weights.buckets import unpack_bucket
 from megatron_async.weights.coverage import UpdateCoverage
+from megatron_async.weights.delta import DeltaDecoder
 from megatron_async.weights.shm import open_segment
 
 # NOTE: finalize_layerwise_reload warns "Failed to load weights" for a layer no bucket touched;
@@ -71,6 +76,7 @@ class CpuUpdateInfo(WeightTransferUpdateInfo):
     shm: str | None = None  # a /dev/shm/mas-wsync-* segment on this host ...
     size: int = 0  # ... and the bucket's length in it
     data: str | None = None  # or the payload, base64
+    keep: bool = False  # keep a copy of what loads: the base of the next delta (weights/delta.py)
     verify: bool = False  # no bucket: check that the update covered every parameter
 
     def __post_init__(self):
@@ -152,6 +158,7 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
         self.coverage = UpdateCoverage()  # which parameters the open update loaded
+        self.deltas = DeltaDecoder()  # the weights as last loaded, where the sender sends deltas
 
     def init_transfer_engine(self, init_info: CpuInitInfo) -> None:
         pass
@@ -186,6 +193,9 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
         else:
             payload = base64.b64decode(update_info.data)
         tensors = unpack_bucket(payload, update_info.checksum, update_info.sample_offset)
+        if update_info.keep:
+            self.coverage.record(self.model.load_weights(self.deltas.decode(n, t) for n, t in tensors.items()))
+            return
         self.coverage.record(self.model.load_weights(iter(tensors.items())))
         if update_info.shm is not None:  # the sender rewrites the segment two buckets later
             detach_buffered(tensors.values())

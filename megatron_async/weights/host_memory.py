@@ -31,6 +31,12 @@ from this sender; the first push to a replica, every push after one of its failu
 on each side (a third of a SmolLM2 sync); the bytes of an shm bucket never leave this host's
 memory, and the sample still catches a wrong, truncated or rewritten segment.
 
+Delta sync (`full_every` >= 2, `rollout.sync_full_every`; weights/delta.py): a push sends only
+the changed elements of each tensor (where that is smaller) when every target replica took the
+previous push completely and fewer than `full_every` - 1 deltas followed the last full push;
+otherwise it is full. Every bucket then asks the replica to keep what it loads (`keep`), the base
+of the next delta.
+
 Failure: every request is bounded by `timeout_s`. A replica that fails a bucket is dropped from
 the rest of this push and reported in `PushResult.failed`; rank 0 does not publish the version
 on it, so it stays out of dispatch until a later full push (the pool restarts it if it died).
@@ -52,6 +58,7 @@ import torch
 from megatron_async.config import BROADCAST_TRANSPORTS, LOOPBACK_HOSTS, WeightTransport
 from megatron_async.rollout.replica import ReplicaClient, ReplicaError
 from megatron_async.weights.buckets import SAMPLE_STRIDE, iter_buckets
+from megatron_async.weights.delta import DeltaEncoder
 from megatron_async.weights.sender import PushResult
 from megatron_async.weights.shm import HEADER_SLACK, ShmSegment
 from megatron_async.weights.shm import free_bytes as shm_free_bytes
@@ -78,7 +85,7 @@ class HostMemorySender:
     """Streams one pipeline stage's HF-named tensors into every replica's open weight update."""
 
     def __init__(self, urls: Sequence[str], key: str, *, timeout_s: float = 120.0, bucket_bytes: int = 64 << 20,
-                 transport: str = "auto"):
+                 transport: str = "auto", full_every: int = 0):
         if not urls:
             raise ValueError("HostMemorySender needs at least one replica URL")
         if not key:
@@ -95,6 +102,10 @@ class HostMemorySender:
         self._segments = [ShmSegment(bucket_bytes), ShmSegment(bucket_bytes)] if "shm" in self.carriers else []
         self._pool = ThreadPoolExecutor(max_workers=len(self._clients), thread_name_prefix="weight-sync")
         self._verified: set[str] = set()  # replicas whose last push from here had every byte checked, or a sample since
+        self.full_every = full_every
+        self._encoder = DeltaEncoder() if full_every >= 2 else None
+        self._in_step: set[str] = set()  # replicas that took the last push completely: they hold the encoder's base
+        self._deltas_since_full = 0
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], urls: Sequence[str] | None = None) -> PushResult:
         """Send this stage's tensors into the open update of the replicas at `urls` (None: all)."""
@@ -102,6 +113,10 @@ class HostMemorySender:
         live = list(self._clients.values()) if urls is None else [self._clients[u] for u in urls]
         failed: dict[str, str] = {}
         sampled = self.carriers == ["shm"] and all(c.url in self._verified for c in live)
+        delta = (self._encoder is not None and bool(live) and all(c.url in self._in_step for c in live)
+                 and self._deltas_since_full < self.full_every - 1)
+        if self._encoder is not None:
+            named_tensors = self._encoder.encode(named_tensors, delta)
         send_s = 0.0
         num_buckets = nbytes = 0
         in_flight: list = []
@@ -126,8 +141,10 @@ class HostMemorySender:
         collect()
         self._verified |= {c.url for c in live}
         self._verified -= failed.keys()
+        self._in_step = {c.url for c in live}  # the encoder's base is now this push's version
+        self._deltas_since_full = self._deltas_since_full + 1 if delta else 0
         return PushResult(bytes=nbytes, replicas=len(live), buckets=num_buckets, seconds=time.perf_counter() - t0,
-                          send_seconds=send_s, failed=failed, carriers=self.carriers)
+                          send_seconds=send_s, failed=failed, carriers=self.carriers, delta=delta)
 
     def _buckets(self, tensors: Iterable[tuple[str, torch.Tensor]], sample_offset: int | None):
         """Per bucket: ({carrier: update_info}, payload bytes); `sample_offset`: sampled checksums."""
@@ -138,19 +155,23 @@ class HostMemorySender:
             turn["count"] += 1
             return turn["segment"].buffer(nbytes)
 
+        keep = self._encoder is not None  # the replica keeps what it loads: the next delta's base
         for bucket in iter_buckets(tensors, self.bucket_bytes, alloc if self._segments else bytearray, sample_offset):
             size = len(bucket.payload)
             info = {}
             if "http" in self.carriers:
-                info["http"] = {"data": base64.b64encode(bucket.payload).decode("ascii"), "checksum": bucket.checksum}
+                info["http"] = {"data": base64.b64encode(bucket.payload).decode("ascii"), "checksum": bucket.checksum,
+                                "keep": keep}
             if self._segments:
                 info["shm"] = {"shm": turn["segment"].path, "size": size, "checksum": bucket.checksum,
-                               "sample_offset": bucket.sample_offset}
+                               "sample_offset": bucket.sample_offset, "keep": keep}
             yield info, size
 
     def forget(self, urls: Iterable[str]) -> None:
-        """The next push to these replicas checks every byte again (no connection or group is kept)."""
+        """The next push to these replicas checks every byte and sends every weight again (no
+        connection or group is kept)."""
         self._verified -= set(urls)
+        self._in_step -= set(urls)
 
     def close(self) -> None:
         for c in self._clients.values():

@@ -41,6 +41,7 @@ class PushResult:
     send_seconds: float = 0.0  # waiting for the replicas
     failed: dict[str, str] = field(default_factory=dict)  # url -> why it was dropped from this push
     carriers: list[str] = field(default_factory=list)  # how the bytes travelled: shm, http, nccl, gloo
+    delta: bool = False  # only the changed elements were sent (weights/delta.py)
     changed_fraction: float | None = None  # rank 0: of every stage's weights, since the last push (weights/change.py)
 
     @property

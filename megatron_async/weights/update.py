@@ -64,7 +64,7 @@ class WeightUpdate:
                                          address=r.rendezvous_address, base_port=r.rendezvous_port)
             else:
                 sender = HostMemorySender(urls, key, timeout_s=r.sync_timeout_s, bucket_bytes=r.sync_bucket_mb << 20,
-                                          transport=r.weight_transport)
+                                          transport=r.weight_transport, full_every=r.sync_full_every)
         send_dtype = getattr(torch, replica_dtype(cfg.model)[0])
         meter = ChangeMeter(send_dtype) if sender is not None else None
         return cls(ctrl, urls, r.weight_update, r.sync_timeout_s, layout.pp_rank, pool, sender, meter, send_dtype)

@@ -1,0 +1,119 @@
+"""Delta weight sync: send only the elements that changed since the last sync, as overwrites.
+
+    encoder = DeltaEncoder()                                   # the sender's, for the whole run
+    stream = encoder.encode(named_tensors, delta=True)         # each push: (name, whole or delta) pairs
+    decoder = DeltaDecoder()                                   # each replica engine's
+    full = decoder.decode(name, tensor)                        # the tensor to load, after the overwrite
+
+What one sync changes (weights/change.py measures it, `weight_sync/changed_fraction`): in bf16 a
+small Adam step leaves most elements as they were (1-2% change per step in our SmolLM2 runs; peers
+report 1-5%); in fp32 nearly every element moves (82-92%). A delta carries each changed element as
+its flat index (int32) and its new value: 6 bytes per element in bf16 against 2 for the whole
+tensor, so it pays below a third of the elements changed (half in fp32). `DeltaEncoder` decides per
+tensor and sends the tensor whole where the delta would not be smaller, so a delta push is never
+larger than a full one.
+
+The wire form of a delta is one int32 tensor named `<name>` + `DELTA_SUFFIX`: [n, n flat indices,
+the n new values' bytes (padded to 4)], one tensor so that it never splits across buckets.
+
+Invariants:
+- Overwrite, not add: a delta sets elements to their new values, so applying it twice, or after a
+  retried bucket, gives the same weights (idempotent).
+- Both ends keep the last state they agreed on, in the replicas' dtype: the encoder what it last
+  sent (its base), each replica what it last loaded (the decoder's base). A delta is only correct
+  against the same base, so the sender sends deltas only to replicas that took its previous push
+  completely (weights/host_memory.py): a replica that failed, restarted, or missed a push gets a
+  full one, and every `delta_every`-th push is full anyway. A decoder without a base for a
+  delta's tensor refuses it (`DeltaBaseError`): the sender then drops the replica from the push
+  and sends it a full one next.
+- Memory: each end holds one copy of the weights it syncs, in the replicas' dtype, on the host.
+- A replica still loads every tensor, whole (vLLM's layerwise reload needs every weight of a layer
+  to process it, and repacks it for the CPU kernels): a delta saves the bytes packed, carried and
+  checked, not the replica's loading.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+
+DELTA_SUFFIX = "#delta"
+
+
+class DeltaBaseError(RuntimeError):
+    """A delta arrived for a tensor the replica has no base of (it restarted or missed a sync)."""
+
+
+def encode_delta(index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Flat int32 `index` [n] and `values` [n] -> the one int32 wire tensor (module docstring)."""
+    raw = values.contiguous().view(torch.uint8)
+    pad = -raw.numel() % 4
+    if pad:
+        raw = torch.cat([raw, raw.new_zeros(pad)])
+    return torch.cat([torch.tensor([index.numel()], dtype=torch.int32), index.to(torch.int32), raw.view(torch.int32)])
+
+
+def decode_delta(wire: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The wire tensor -> (flat int64 index [n], values [n] of `dtype`)."""
+    n = int(wire[0])
+    index = wire[1:1 + n].long()
+    values = wire[1 + n:].view(torch.uint8)[:n * dtype.itemsize].view(dtype)
+    return index, values
+
+
+class DeltaEncoder:
+    """The sender's side: what it last sent, per tensor, and the delta of each new version to it."""
+
+    def __init__(self):
+        self._base: dict[str, torch.Tensor] = {}  # name -> the tensor as the replicas have it (host, flat)
+
+    def encode(self, named_tensors: Iterable[tuple[str, torch.Tensor]], delta: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield each tensor whole (`delta` False, or no base, or the delta would not be smaller),
+        or as its delta against the base (name + DELTA_SUFFIX); the base becomes the new version."""
+        for name, tensor in named_tensors:
+            flat = tensor.detach().reshape(-1).to("cpu")
+            base = self._base.get(name)
+            if not delta or base is None or base.shape != flat.shape or base.dtype != flat.dtype:
+                self._base[name] = flat.clone()
+                yield name, tensor
+                continue
+            index = (flat != base).nonzero().view(-1)
+            if index.numel() * (4 + flat.element_size()) >= flat.numel() * flat.element_size():
+                base.copy_(flat)
+                yield name, tensor
+                continue
+            values = flat[index]
+            base[index] = values
+            yield name + DELTA_SUFFIX, encode_delta(index, values)
+
+    def clear(self) -> None:
+        """Forget every base: the next push is whole."""
+        self._base.clear()
+
+
+class DeltaDecoder:
+    """A replica's side: what it last loaded, per tensor, and a delta applied to it (an overwrite)."""
+
+    def __init__(self):
+        self._base: dict[str, torch.Tensor] = {}
+
+    def decode(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """(wire name, wire tensor) -> (the HF name, the whole new tensor to load). A whole tensor
+        is copied into the base (the carrier's memory is the sender's to rewrite) and the copy
+        returned; a delta overwrites its elements of the base."""
+        if not name.endswith(DELTA_SUFFIX):
+            self._base[name] = tensor.clone()
+            return name, self._base[name]
+        name = name[:-len(DELTA_SUFFIX)]
+        base = self._base.get(name)
+        if base is None:
+            raise DeltaBaseError(f"delta for {name} but this replica holds no base of it (restarted or missed a "
+                                 f"sync); it needs a full sync")
+        index, values = decode_delta(tensor, base.dtype)
+        if index.numel() and int(index.max()) >= base.numel():
+            raise ValueError(f"delta for {name} indexes element {int(index.max())} of {base.numel()}")
+        base.view(-1)[index] = values
+        return name, base
+
+    def clear(self) -> None:
+        self._base.clear()
