@@ -25,8 +25,8 @@ with a note in the JSON when that package is not installed). For each model:
   every sync after the first, `--changed-fraction` of each tensor's elements change (x 1 + 2^-6,
   in the replicas' dtype: a change every dtype keeps), so that deltas have the size they have in
   a run (measured per step, `weight_sync/changed_fraction`: ~0.01-0.02 in bf16, 0.82-0.92 in
-  fp32). Each sync records whether it went as a delta and its bytes. Run it once with
-  `--full-every 0` (every sync full) and once with N > `--syncs` for full against delta.
+  fp32). Each sync records whether it went as a delta and its bytes. `--full-every 0 10`: the
+  same pushes with every sync full, then with deltas, in one run.
 
 Placement: `--learner-cpus 0 --replica-cpus 1` put this process (the sender, and transformers)
 and the replicas where the CPU main job puts the learner and its replicas (configs/cpu_tiny.yaml):
@@ -171,9 +171,11 @@ def bench_model(name: str, model_dir: Path, args) -> dict:
                           "requests_per_replica": pool.stats()["requests_per_replica"]}
         syncs = []
         for transport in [t for t in args.transports if t not in BROADCAST_TRANSPORTS]:  # this pool's engine: mas_cpu
-            with HostMemorySender(pool.urls, pool.key, timeout_s=300, bucket_bytes=args.bucket_mb << 20,
-                                  transport=transport, full_every=args.full_every) as sender:
-                syncs += measure_syncs(pool, sender, transport, state, args, first_version=len(syncs) + 1)
+            for full_every in args.full_every:  # a sender each: its first push is full
+                with HostMemorySender(pool.urls, pool.key, timeout_s=300, bucket_bytes=args.bucket_mb << 20,
+                                      transport=transport, full_every=full_every) as sender:
+                    syncs += [{**s, "full_every": full_every} for s in
+                              measure_syncs(pool, sender, transport, state, args, first_version=len(syncs) + 1)]
         result["syncs"] = syncs
     finally:
         pool.stop()
@@ -206,8 +208,9 @@ def main() -> None:
     p.add_argument("--transports", nargs="+", default=["auto"], choices=["auto", "shm", "http", "gloo"],
                    help="weight-sync transports to measure, --syncs pushes each (auto: shm for these local replicas; "
                         "gloo: a second pool of replicas running the broadcast engine)")
-    p.add_argument("--full-every", type=int, default=0,
-                   help="delta sync as rollout.sync_full_every (0: every sync full; host-memory transports)")
+    p.add_argument("--full-every", type=int, nargs="+", default=[0],
+                   help="delta sync as rollout.sync_full_every (0: every sync full; host-memory transports); "
+                        "several: --syncs pushes with each, one after the other, in the same run")
     p.add_argument("--changed-fraction", type=float, default=0.0,
                    help="fraction of the elements changed before each sync after the first (0: the same weights)")
     p.add_argument("--kv-mb", type=int, default=256)
