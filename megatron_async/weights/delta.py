@@ -77,11 +77,12 @@ class DeltaEncoder:
                 self._base[name] = flat.clone()
                 yield name, tensor
                 continue
-            index = (flat != base).nonzero().view(-1)
-            if index.numel() * (4 + flat.element_size()) >= flat.numel() * flat.element_size():
-                base.copy_(flat)
+            changed = flat != base
+            if int(changed.sum()) * (4 + flat.element_size()) >= flat.numel() * flat.element_size():
+                base.copy_(flat)  # counted before any index is made: fp32 changes most elements
                 yield name, tensor
                 continue
+            index = changed.nonzero().view(-1)
             values = flat[index]
             base[index] = values
             yield name + DELTA_SUFFIX, encode_delta(index, values)
