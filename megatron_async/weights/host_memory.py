@@ -81,6 +81,22 @@ def carrier_for(transport: str, url: str) -> str:
     return transport
 
 
+AUTO_FULL_EVERY = 10  # rollout.sync_full_every: auto, where deltas pay
+
+
+def resolve_full_every(setting: int | str, transport: str, urls: Sequence[str], dtype: torch.dtype) -> tuple[int, str]:
+    """`rollout.sync_full_every` -> (the sender's `full_every`, why). auto: deltas where bytes cost
+    time, a replica reached over http, and a 2-byte replica dtype (an fp32 Adam step changes most
+    elements: its deltas go whole); over shm a delta costs more than the bytes it saves (measured,
+    docs/replicas-and-weight-sync.md)."""
+    if setting != "auto":
+        return int(setting), "rollout.sync_full_every"
+    http = [u for u in urls if carrier_for(transport, u) == "http"]
+    if http and dtype.itemsize == 2:
+        return AUTO_FULL_EVERY, f"auto: {dtype} replicas reached over http ({len(http)} of {len(urls)})"
+    return 0, f"auto: {'no replica is reached over http' if not http else f'{dtype} changes most elements per step'}"
+
+
 class HostMemorySender:
     """Streams one pipeline stage's HF-named tensors into every replica's open weight update."""
 

@@ -34,7 +34,7 @@ from megatron_async.learner.parallel import ParallelLayout, from_rank0
 from megatron_async.rollout.pool import ReplicaPool, UpdateMode
 from megatron_async.weights.broadcast import BroadcastSender, make_wire
 from megatron_async.weights.change import ChangeMeter
-from megatron_async.weights.host_memory import HostMemorySender
+from megatron_async.weights.host_memory import HostMemorySender, resolve_full_every
 from megatron_async.weights.sender import PushResult, WeightSender, WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class WeightUpdate:
     def build(cls, cfg: Config, layout: ParallelLayout, ctrl: dist.ProcessGroup, pool: ReplicaPool | None,
               urls: list[str], key: str) -> "WeightUpdate":
         r = cfg.rollout
+        send_dtype = getattr(torch, replica_dtype(cfg.model)[0])
         sender: WeightSender | None = None
         if layout.tp_rank == 0 and layout.dp_rank == 0:
             if r.weight_transport in BROADCAST_TRANSPORTS:  # PP=1 (config.validate): that is rank 0
@@ -63,9 +64,11 @@ class WeightUpdate:
                                          timeout_s=r.sync_timeout_s, bucket_bytes=r.sync_bucket_mb << 20,
                                          address=r.rendezvous_address, base_port=r.rendezvous_port)
             else:
+                full_every, why = resolve_full_every(r.sync_full_every, r.weight_transport, urls, send_dtype)
+                log.info("weight sync, stage %d: %s (%s)", layout.pp_rank,
+                         f"deltas, a full sync every {full_every}" if full_every else "every sync full", why)
                 sender = HostMemorySender(urls, key, timeout_s=r.sync_timeout_s, bucket_bytes=r.sync_bucket_mb << 20,
-                                          transport=r.weight_transport, full_every=r.sync_full_every)
-        send_dtype = getattr(torch, replica_dtype(cfg.model)[0])
+                                          transport=r.weight_transport, full_every=full_every)
         meter = ChangeMeter(send_dtype) if sender is not None else None
         return cls(ctrl, urls, r.weight_update, r.sync_timeout_s, layout.pp_rank, pool, sender, meter, send_dtype)
 
