@@ -34,9 +34,9 @@ Invariants, per update (start -> update* -> finish), the same as vLLM's checkpoi
   (`DeltaDecoder`), and a tensor named `<name>#delta` overwrites the changed elements of that
   copy, which is then loaded whole. Kept copies are the engine's own memory: nothing of the
   segment stays referenced, so there is nothing to copy out.
-- A bucket that fails (bad checksum, missing segment, a delta without a base) ends the update: vLLM's worker closes its
-  session, and the layers still waiting for weights are restored as they were
-  (`abort_layerwise_reload`), so that a later full update starts clean.
+- A bucket that fails (bad checksum, missing segment, a delta without a base) ends the update:
+  vLLM's worker closes its session, and the layers still waiting for weights are restored as they
+  were (`abort_layerwise_reload`), so that a later full update starts clean.
 - A last `{"verify": true}` call fails if any model parameter was not covered by the update (a
   sync replaces every weight or is reported failed). It is an update call, not part of finish,
   because a failing `update_weights` closes vLLM's update session while a failing

@@ -131,6 +131,7 @@ class HostMemorySender:
         sampled = self.carriers == ["shm"] and all(c.url in self._verified for c in live)
         delta = (self._encoder is not None and bool(live) and all(c.url in self._in_step for c in live)
                  and self._deltas_since_full < self.full_every - 1)
+        self._in_step = set()  # the encoder's base moves during the push: nobody holds it until the push completes
         if self._encoder is not None:
             named_tensors = self._encoder.encode(named_tensors, delta)
         send_s = 0.0
