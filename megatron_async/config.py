@@ -200,11 +200,11 @@ class RolloutConfig:
     sync_full_every: int | Literal["auto"] = opt("auto",
         "0 = every weight sync sends every weight; N >= 2 = delta sync: send only the elements that changed "
         "since the last sync (index and new value, where smaller than the tensor), a full sync every N syncs and "
-        "after any replica failure or restart (weights/delta.py; host-memory transports: auto, shm, http). Each "
-        "replica and the sender then keep a host copy of the weights. It saves bytes, not the replica's loading. "
-        "auto = 10 where a replica is reached over http and the replicas are bf16 (measured: SmolLM2 1.05 s "
-        "against 8.8 s), else 0 (over shm a delta costs more than the bytes it saves: 0.76 s against 0.35 s; "
-        "docs/replicas-and-weight-sync.md)")
+        "after any replica failure or restart (weights/delta.py; transports auto, shm, http, gloo; not nccl). "
+        "Each replica and the sender then keep a host copy of the weights. It saves bytes, not the replica's "
+        "loading. auto = 10 where a replica is reached over http or gloo and the replicas are bf16 (measured: "
+        "SmolLM2 over http 1.05 s against 8.8 s), else 0 (over shm a delta costs more than the bytes it saves: "
+        "0.76 s against 0.35 s; docs/replicas-and-weight-sync.md)")
     weight_transport: WeightTransport = opt("auto",
         "how weight buckets reach the replicas' weight-transfer engine: shm (a /dev/shm segment; replicas "
         "on this host), http (inline in the request body; any host) (weights/host_memory.py); nccl (vLLM's "
@@ -548,10 +548,10 @@ def validate(cfg: Config) -> None:
     _require(r.sync_full_every in ("auto", 0) or (isinstance(r.sync_full_every, int) and r.sync_full_every >= 2),
              "rollout.sync_full_every", r.sync_full_every,
              "must be auto, 0 (every sync full) or >= 2 (a full sync every N, deltas between)")
-    _require(r.sync_full_every in ("auto", 0) or r.weight_transport not in BROADCAST_TRANSPORTS, "rollout.sync_full_every",
-             r.sync_full_every, f"delta sync is built for the host-memory transports (auto, shm, http), not "
-                                f"rollout.weight_transport={r.weight_transport}; on GPU, vLLM's sparse_nccl backend is "
-                                f"the path (docs/replicas-and-weight-sync.md)")
+    _require(r.sync_full_every in ("auto", 0) or r.weight_transport != "nccl", "rollout.sync_full_every",
+             r.sync_full_every, "delta sync is built for the host-memory transports and gloo, not "
+                                "rollout.weight_transport=nccl; on GPU, vLLM's sparse_nccl backend is the path "
+                                "(docs/replicas-and-weight-sync.md)")
     _require(cfg.tracking.flush_timeout_s > 0, "tracking.flush_timeout_s", cfg.tracking.flush_timeout_s, "must be > 0")
     if r.weight_transport == "shm":
         _require(r.host in LOOPBACK_HOSTS and not cfg.placement.dedicated_replica_node and not r.replica_urls,

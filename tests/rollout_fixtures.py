@@ -7,11 +7,12 @@ of them can be pushed into a replica started from another.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from megatron_async.models.tiny import TinyLlamaSpec, build_tiny_llama, build_tokenizer, default_corpus
 from megatron_async.rollout import ReplicaSpec
@@ -73,6 +74,19 @@ def perturbed(model_dir: Path, out_dir: Path, seed: int = 0, scale: float = 0.5)
     model.save_pretrained(str(out_dir))
     AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(str(out_dir))
     return Path(out_dir)
+
+
+def sparsely_changed(model_dir: Path, out_dir: Path, fraction: float, seed: int) -> Path:
+    """A copy of an HF checkpoint with `fraction` of each tensor's elements changed (x 1.5), as a
+    bf16 sync after a small Adam step changes a few percent (weights/delta.py)."""
+    shutil.copytree(model_dir, out_dir)
+    gen = torch.Generator().manual_seed(seed)
+    weights = state_dict(model_dir)
+    for t in weights.values():
+        pick = torch.rand(t.shape, generator=gen) < fraction
+        t[pick] *= 1.5
+    save_file(weights, str(out_dir / "model.safetensors"))
+    return out_dir
 
 
 def spec(model_dir: Path, **overrides) -> ReplicaSpec:

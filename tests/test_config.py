@@ -69,7 +69,7 @@ def test_literal_choices():
     (["rollout.weight_transport=nccl", "rollout.rendezvous_port=80"], "rollout.rendezvous_port"),
     (["rollout.weight_transport=gloo", "parallel.world_size=2", "parallel.pp=2"], "rollout.weight_transport"),
     (["rollout.sync_full_every=1"], "rollout.sync_full_every"),
-    (["rollout.sync_full_every=5", "rollout.weight_transport=gloo"], "rollout.sync_full_every"),
+    (["rollout.sync_full_every=5", "rollout.weight_transport=nccl"], "rollout.sync_full_every"),
     (["trainer.logits_chunk_mb=-1"], "trainer.logits_chunk_mb"),
     (["trainer.minibatches=3"], "trainer.minibatches"),
     (["model.hf_path=/no/such/model"], "model.hf_path"),

@@ -11,7 +11,7 @@ import torch
 from megatron_async.rollout.replica import ReplicaError
 from megatron_async.weights.buckets import unpack_bucket
 from megatron_async.weights.delta import DELTA_SUFFIX, DeltaBaseError, DeltaDecoder, DeltaEncoder, decode_delta, encode_delta
-from megatron_async.weights.host_memory import AUTO_FULL_EVERY, resolve_full_every
+from megatron_async.weights.update import AUTO_FULL_EVERY, resolve_full_every
 
 
 def version(seed: int, base: dict | None = None, fraction: float = 0.02) -> dict[str, torch.Tensor]:
@@ -108,8 +108,11 @@ class FakeClient:
     ("auto", "auto", ["http://10.0.0.1:1"], torch.float32, 0),                 # fp32: most elements change
     (0, "auto", ["http://10.0.0.1:1"], torch.bfloat16, 0),
     (4, "shm", ["http://127.0.0.1:1"], torch.float32, 4),
+    ("auto", "gloo", ["http://127.0.0.1:1"], torch.bfloat16, AUTO_FULL_EVERY),  # a wire: bytes cost time
+    ("auto", "gloo", ["http://127.0.0.1:1"], torch.float32, 0),
+    ("auto", "nccl", ["http://127.0.0.1:1"], torch.bfloat16, 0),               # no delta path over nccl
 ])
-def test_auto_sends_deltas_to_2_byte_replicas_reached_over_http(setting, transport, urls, dtype, full_every):
+def test_auto_sends_deltas_to_2_byte_replicas_over_http_or_gloo(setting, transport, urls, dtype, full_every):
     assert resolve_full_every(setting, transport, urls, dtype)[0] == full_every
 
 

@@ -20,7 +20,9 @@ import torch
 from megatron_async.rollout import ReplicaPool, Sampling
 from megatron_async.weights.broadcast import BroadcastSender, GlooWire, make_wire
 from megatron_async.weights.sender import WeightSyncError
-from tests.rollout_fixtures import LOGPROB_TOL, SMALL_BUCKET, max_logprob_diff, spec, state_dict, wait_for
+from tests.rollout_fixtures import (
+    LOGPROB_TOL, SMALL_BUCKET, max_logprob_diff, sparsely_changed, spec, state_dict, wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -71,6 +73,29 @@ def test_gloo_sync_matches_transformers(gloo_pool, sender, tiny_models):
         result, published = push(gloo_pool, sender, iter(state_dict(model).items()))
         assert published == [0] and not result.failed and result.buckets > 1 and result.carriers == ["gloo"], result
         check_serves(gloo_pool, model, version)
+
+
+def test_gloo_delta_syncs_load_the_pushed_weights(gloo_pool, tiny_models, tmp_path):
+    """`full_every=3` over the gloo wire: versions that change 2% of the elements go as deltas
+    between full pushes (int32 wire tensors the engine decodes into its kept copy), and the
+    replica serves exactly the pushed weights after each."""
+    versions = [tiny_models[1]]
+    for seed in range(1, 4):
+        versions.append(sparsely_changed(versions[-1], tmp_path / f"v{seed}", fraction=0.02, seed=seed))
+    delta_sender = BroadcastSender(gloo_pool.urls, gloo_pool.key, wire=make_wire("gloo"), replica_tp=1,
+                                   timeout_s=TIMEOUT_S, bucket_bytes=SMALL_BUCKET, full_every=3)
+    results = []
+    try:
+        for model in versions:
+            version = gloo_pool.next_version
+            result, published = push(gloo_pool, delta_sender, iter(state_dict(model).items()))
+            assert published == [0] and not result.failed, result
+            check_serves(gloo_pool, model, version)
+            results.append(result)
+    finally:
+        delta_sender.close()
+    assert [r.delta for r in results] == [False, True, True, False]
+    assert all(r.bytes < results[0].bytes / 5 for r in results if r.delta)
 
 
 def test_a_load_that_raises_mid_update_is_aborted_and_the_next_full_sync_takes(gloo_pool, sender, tiny_models):

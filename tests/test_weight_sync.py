@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import collections
 import os
-import shutil
 import struct
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save_file
 
 from megatron_async.rollout import ReplicaClient, ReplicaPool, Sampling
 from megatron_async.weights import host_memory as sync_mod
@@ -34,7 +31,8 @@ from megatron_async.weights.buckets import (
 from megatron_async.weights.shm import SHM_DIR, ShmSegment, open_segment
 from megatron_async.weights.host_memory import HostMemorySender, carrier_for
 from tests.rollout_fixtures import (
-    LOGPROB_TOL, SMALL_BUCKET, build_variants, max_logprob_diff, perturbed, resync, spec, state_dict, sync,
+    LOGPROB_TOL, SMALL_BUCKET, build_variants, max_logprob_diff, perturbed, resync, sparsely_changed, spec, state_dict,
+    sync,
 )
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 40, 41, 42, 43], [1, 100], [1, 7, 7, 7, 7, 7], [1, 200, 3], [1, 12], [1, 60, 61]]
@@ -352,19 +350,6 @@ def test_shm_and_http_carriers_give_identical_samples_and_logprobs(pool, models)
     assert [r.token_ids for r in shm] == [r.token_ids for r in http]
     assert max(abs(x - y) for r, s in zip(shm, http) for x, y in zip(r.logprobs, s.logprobs)) < 1e-5
     assert [r.token_ids for r in results[(b, "http")]] != [r.token_ids for r in http]
-
-
-def sparsely_changed(model_dir: Path, out_dir: Path, fraction: float, seed: int) -> Path:
-    """A copy of an HF checkpoint with `fraction` of each tensor's elements changed (x 1.5), as a
-    bf16 sync after a small Adam step changes a few percent (weights/delta.py)."""
-    shutil.copytree(model_dir, out_dir)
-    gen = torch.Generator().manual_seed(seed)
-    weights = state_dict(model_dir)
-    for t in weights.values():
-        pick = torch.rand(t.shape, generator=gen) < fraction
-        t[pick] *= 1.5
-    save_file(weights, str(out_dir / "model.safetensors"))
-    return out_dir
 
 
 @pytest.mark.integration

@@ -21,7 +21,7 @@ with a note in the JSON when that package is not installed). For each model:
   per sync; the sender is created once per transport (the shm segment is reused). `gloo` (the
   broadcast sender of weights/broadcast.py over gloo) needs replicas running `mas_gloo`: a second
   pool of them is started after the first stops (its start-up is not reported).
-- delta sync (`--full-every N`, as `rollout.sync_full_every`; host-memory transports): before
+- delta sync (`--full-every N`, as `rollout.sync_full_every`; shm, http and gloo): before
   every sync after the first, `--changed-fraction` of each tensor's elements change (x 1 + 2^-6,
   in the replicas' dtype: a change every dtype keeps), so that deltas have the size they have in
   a run (measured per step, `weight_sync/changed_fraction`: ~0.01-0.02 in bf16, 0.82-0.92 in
@@ -184,12 +184,18 @@ def bench_model(name: str, model_dir: Path, args) -> dict:
         pool = ReplicaPool(gloo_spec, args.replicas, log_dir=Path(args.work) / f"logs-{name}-gloo", start_timeout_s=600,
                            env=pin)
         pool.start()
-        sender = BroadcastSender(pool.urls, pool.key, wire=make_wire("gloo"), replica_tp=1, timeout_s=300,
-                                 bucket_bytes=args.bucket_mb << 20)
         try:
-            result["syncs"] += measure_syncs(pool, sender, "gloo", state, args, first_version=1)
+            version = 1
+            for full_every in args.full_every:  # a sender each (its own group): its first push is full
+                sender = BroadcastSender(pool.urls, pool.key, wire=make_wire("gloo"), replica_tp=1, timeout_s=300,
+                                         bucket_bytes=args.bucket_mb << 20, full_every=full_every)
+                try:
+                    syncs = measure_syncs(pool, sender, "gloo", state, args, first_version=version)
+                finally:
+                    sender.close()
+                result["syncs"] += [{**s, "full_every": full_every} for s in syncs]
+                version += len(syncs)
         finally:
-            sender.close()
             pool.stop()
     result["transformers"] = hf_generate(model_dir, prompts, args.n, args.max_tokens, args.hf_threads)
     result["ratio_pool_over_transformers"] = result["pool"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]

@@ -51,6 +51,7 @@ from megatron_async.config import LOOPBACK_HOSTS
 from megatron_async.rollout.launcher import free_port
 from megatron_async.rollout.replica import ReplicaClient
 from megatron_async.weights.buckets import group_by_cap
+from megatron_async.weights.delta import DeltaSchedule
 from megatron_async.weights.sender import PushResult, WeightSyncError
 
 
@@ -131,11 +132,12 @@ def make_wire(transport: str) -> Wire:
     return wires[transport]()
 
 
-def update_info(bucket: Sequence[tuple[str, torch.Tensor]]) -> dict:
-    """vLLM's `NCCLWeightTransferUpdateInfo` of one bucket, as the JSON `/update_weights` takes."""
+def update_info(bucket: Sequence[tuple[str, torch.Tensor]], keep: bool = False) -> dict:
+    """vLLM's `NCCLWeightTransferUpdateInfo` of one bucket, as the JSON `/update_weights` takes;
+    `keep`: the replica keeps what it loads, the base of the next delta (weights/delta.py)."""
     return {"names": [name for name, _ in bucket],
             "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-            "shapes": [list(t.shape) for _, t in bucket]}
+            "shapes": [list(t.shape) for _, t in bucket], "keep": keep}
 
 
 def address_towards(url: str) -> str:
@@ -164,8 +166,11 @@ class BroadcastSender:
     """The learner's sender rank's groups with the replicas, and the bucket stream over them."""
 
     def __init__(self, urls: Sequence[str], key: str, *, wire: Wire, replica_tp: int, timeout_s: float,
-                 bucket_bytes: int, address: str = "", base_port: int = 0):
+                 bucket_bytes: int, address: str = "", base_port: int = 0, full_every: int = 0):
+        if full_every and wire.transport == "nccl":
+            raise ValueError("delta sync over nccl is not built (vLLM's sparse_nccl backend is the path)")
         self.wire, self.replica_tp = wire, replica_tp
+        self._deltas = DeltaSchedule(full_every) if full_every else None  # weights/delta.py
         self.timeout_s, self.bucket_bytes, self.base_port = timeout_s, bucket_bytes, base_port
         self._index = {u: i for i, u in enumerate(urls)}
         self._address = {u: address or address_towards(u) for u in urls}
@@ -175,6 +180,9 @@ class BroadcastSender:
         self._pool = ThreadPoolExecutor(max_workers=2 * len(urls), thread_name_prefix=f"{wire.transport}-sync")
 
     def forget(self, urls: Iterable[str]) -> None:
+        urls = list(urls)
+        if self._deltas is not None:
+            self._deltas.forget(urls)
         for url in urls:
             if (channel := self._channels.pop(url, None)) is not None:
                 channel.destroy()
@@ -218,6 +226,9 @@ class BroadcastSender:
                 failed[url] = f"forming its {self.wire.transport} group: {e!r}"
         num_buckets = nbytes = 0
         send_s = 0.0
+        delta = self._deltas is not None and self._deltas.begin(live)
+        if self._deltas is not None:
+            named_tensors = self._deltas.encoder.encode(named_tensors, delta)
         for bucket in group_by_cap(named_tensors, self.bucket_bytes):  # drained even with no replica left
             num_buckets += 1
             nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -229,12 +240,14 @@ class BroadcastSender:
                 live.remove(url)
                 self.forget([url])
             send_s += time.perf_counter() - t
+        if self._deltas is not None:
+            self._deltas.end(live, delta)
         return PushResult(bytes=nbytes, replicas=len(live), buckets=num_buckets, seconds=time.perf_counter() - t0,
-                          send_seconds=send_s, failed=failed, carriers=[self.wire.transport])
+                          send_seconds=send_s, failed=failed, carriers=[self.wire.transport], delta=delta)
 
     def _send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]], urls: Sequence[str]) -> dict[str, str]:
         """One bucket into every replica of `urls` -> {url: why it failed} for those it did not reach."""
-        info = update_info(bucket)
+        info = update_info(bucket, keep=self._deltas is not None)
         tensors = [t.contiguous() for _, t in bucket]  # kept referenced until every replica has them
         receiving = {u: self._pool.submit(self._clients[u].update_weights, info) for u in urls}
         sending: dict[str, Callable[[], bool]] = {}

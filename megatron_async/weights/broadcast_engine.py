@@ -10,7 +10,9 @@ vllm/distributed/weight_transfer/nccl_engine.py) with what a long run needs of i
 - a group formed again (a failed push, a re-formed sender) replaces the old one, destroyed,
   instead of leaking it (vLLM's `init_transfer_engine` overwrites it);
 - buckets come unpacked (one broadcast per tensor, vLLM's non-packed mode): the receive loop is
-  vLLM's unpacked branch, recording what `load_weights` loaded.
+  vLLM's unpacked branch, recording what `load_weights` loaded;
+- delta sync (weights/delta.py): with `keep` each received tensor is kept (`DeltaDecoder`), and a
+  tensor named `<name>#delta` overwrites the changed elements of the kept one, loaded whole.
 
 `mas_gloo` is the same class with one change: its group is weights/gloo.py's GlooCommunicator
 instead of vLLM's PyNccl one (and so no CUDA stream is passed). Both are registered by our vLLM
@@ -28,6 +30,7 @@ from vllm.model_executor.model_loader.mtp_validation import disable_mtp_complete
 
 from megatron_async.weights.coverage import UpdateCoverage
 from megatron_async.weights.cpu_engine import abort_layerwise_reload, refresh_tied_head
+from megatron_async.weights.delta import DeltaDecoder
 from megatron_async.weights.gloo import GlooCommunicator
 
 # a worker waiting for the sender's next tensor gives up after this (the sender's own deadline,
@@ -38,6 +41,7 @@ GLOO_RECEIVE_TIMEOUT_S = 600.0
 @dataclass
 class BroadcastUpdateInfo(NCCLWeightTransferUpdateInfo):
     verify: bool = False  # no bucket: check that the update covered every parameter
+    keep: bool = False  # keep what loads: the base of the next delta (weights/delta.py)
 
 
 class MasNcclEngine(NCCLWeightTransferEngine):
@@ -46,6 +50,7 @@ class MasNcclEngine(NCCLWeightTransferEngine):
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
         self.coverage = UpdateCoverage()
+        self.deltas = DeltaDecoder()  # the weights as last loaded, where the sender sends deltas
 
     def init_transfer_engine(self, init_info: NCCLWeightTransferInitInfo) -> None:
         if init_info.packed:
@@ -86,6 +91,8 @@ class MasNcclEngine(NCCLWeightTransferEngine):
             for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
                 weight = torch.empty(shape, dtype=getattr(torch, dtype_name), device=self.device)
                 self.model_update_group.broadcast(weight, src=0, stream=stream)
+                if update_info.keep:  # the received tensor is this engine's own: kept as it is
+                    name, weight = self.deltas.decode(name, weight, owned=True)
                 self.coverage.record(self.model.load_weights([(name, weight)]))
                 del weight
 

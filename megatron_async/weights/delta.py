@@ -1,7 +1,9 @@
 """Delta weight sync: send only the elements that changed since the last sync, as overwrites.
 
-    encoder = DeltaEncoder()                                   # the sender's, for the whole run
-    stream = encoder.encode(named_tensors, delta=True)         # each push: (name, whole or delta) pairs
+    schedule = DeltaSchedule(full_every)                       # a sender's, for the whole run
+    delta = schedule.begin(urls)                               # each push: may it be a delta?
+    stream = schedule.encoder.encode(named_tensors, delta)     # (name, whole or delta) pairs
+    schedule.end(reached, delta)                               # the replicas that took all of it
     decoder = DeltaDecoder()                                   # each replica engine's
     full = decoder.decode(name, tensor)                        # the tensor to load, after the overwrite
 
@@ -21,9 +23,9 @@ Invariants:
   retried bucket, gives the same weights (idempotent).
 - Both ends keep the last state they agreed on, in the replicas' dtype: the encoder what it last
   sent (its base), each replica what it last loaded (the decoder's base). A delta is only correct
-  against the same base, so the sender sends deltas only to replicas that took its previous push
-  completely (weights/host_memory.py): a replica that failed, restarted, or missed a push gets a
-  full one, and every `delta_every`-th push is full anyway. A decoder without a base for a
+  against the same base, so a push is a delta only if every target took the previous push
+  completely (`DeltaSchedule`, used by both senders): a replica that failed, restarted, or missed
+  a push gets a full one, and every `full_every`-th push is full anyway. A decoder without a base for a
   delta's tensor refuses it (`DeltaBaseError`): the sender then drops the replica from the push
   and sends it a full one next.
 - Memory: each end holds one copy of the weights it syncs, in the replicas' dtype, on the host.
@@ -92,18 +94,47 @@ class DeltaEncoder:
         self._base.clear()
 
 
+class DeltaSchedule:
+    """A sender's side of delta sync: which push may be a delta, and the encoder."""
+
+    def __init__(self, full_every: int):
+        if full_every < 2:
+            raise ValueError(f"full_every={full_every}: a delta schedule needs a full push every >= 2 pushes")
+        self.full_every = full_every
+        self.encoder = DeltaEncoder()
+        self._holding: set[str] = set()  # replicas that hold the encoder's base: they took the last push whole
+        self._deltas_since_full = 0
+
+    def begin(self, urls: Iterable[str]) -> bool:
+        """A push to `urls` starts: True if it may be a delta. Until `end`, no replica counts as
+        holding the base (it moves during the push: an exception mid-push leaves all due a full one)."""
+        urls = list(urls)
+        delta = bool(urls) and all(u in self._holding for u in urls) and self._deltas_since_full < self.full_every - 1
+        self._holding = set()
+        return delta
+
+    def end(self, reached: Iterable[str], delta: bool) -> None:
+        """The push ended; `reached`: the replicas that took every bucket of it."""
+        self._holding = set(reached)
+        self._deltas_since_full = self._deltas_since_full + 1 if delta else 0
+
+    def forget(self, urls: Iterable[str]) -> None:
+        """These replicas restarted or failed: their next push is full."""
+        self._holding -= set(urls)
+
+
 class DeltaDecoder:
     """A replica's side: what it last loaded, per tensor, and a delta applied to it (an overwrite)."""
 
     def __init__(self):
         self._base: dict[str, torch.Tensor] = {}
 
-    def decode(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    def decode(self, name: str, tensor: torch.Tensor, owned: bool = False) -> tuple[str, torch.Tensor]:
         """(wire name, wire tensor) -> (the HF name, the whole new tensor to load). A whole tensor
-        is copied into the base (the carrier's memory is the sender's to rewrite) and the copy
-        returned; a delta overwrites its elements of the base."""
+        becomes the base (a copy unless `owned`: a carrier's memory is the sender's to rewrite)
+        and is returned; a delta overwrites its elements of the base."""
         if not name.endswith(DELTA_SUFFIX):
-            self._base[name] = tensor.clone()
+            self._base[name] = tensor if owned else tensor.clone()
             return name, self._base[name]
         name = name[:-len(DELTA_SUFFIX)]
         base = self._base.get(name)

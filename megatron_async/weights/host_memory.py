@@ -58,7 +58,7 @@ import torch
 from megatron_async.config import BROADCAST_TRANSPORTS, LOOPBACK_HOSTS, WeightTransport
 from megatron_async.rollout.replica import ReplicaClient, ReplicaError
 from megatron_async.weights.buckets import SAMPLE_STRIDE, iter_buckets
-from megatron_async.weights.delta import DeltaEncoder
+from megatron_async.weights.delta import DeltaSchedule
 from megatron_async.weights.sender import PushResult
 from megatron_async.weights.shm import HEADER_SLACK, ShmSegment
 from megatron_async.weights.shm import free_bytes as shm_free_bytes
@@ -79,22 +79,6 @@ def carrier_for(transport: str, url: str) -> str:
     if transport in BROADCAST_TRANSPORTS:
         raise ValueError(f"rollout.weight_transport={transport} is weights/broadcast.BroadcastSender's, not this sender's")
     return transport
-
-
-AUTO_FULL_EVERY = 10  # rollout.sync_full_every: auto, where deltas pay
-
-
-def resolve_full_every(setting: int | str, transport: str, urls: Sequence[str], dtype: torch.dtype) -> tuple[int, str]:
-    """`rollout.sync_full_every` -> (the sender's `full_every`, why). auto: deltas where bytes cost
-    time, a replica reached over http, and a 2-byte replica dtype (an fp32 Adam step changes most
-    elements: its deltas go whole); over shm a delta costs more than the bytes it saves (measured,
-    docs/replicas-and-weight-sync.md)."""
-    if setting != "auto":
-        return int(setting), "rollout.sync_full_every"
-    http = [u for u in urls if carrier_for(transport, u) == "http"]
-    if http and dtype.itemsize == 2:
-        return AUTO_FULL_EVERY, f"auto: {dtype} replicas reached over http ({len(http)} of {len(urls)})"
-    return 0, f"auto: {'no replica is reached over http' if not http else f'{dtype} changes most elements per step'}"
 
 
 class HostMemorySender:
@@ -118,10 +102,7 @@ class HostMemorySender:
         self._segments = [ShmSegment(bucket_bytes), ShmSegment(bucket_bytes)] if "shm" in self.carriers else []
         self._pool = ThreadPoolExecutor(max_workers=len(self._clients), thread_name_prefix="weight-sync")
         self._verified: set[str] = set()  # replicas whose last push from here had every byte checked, or a sample since
-        self.full_every = full_every
-        self._encoder = DeltaEncoder() if full_every >= 2 else None
-        self._in_step: set[str] = set()  # replicas that took the last push completely: they hold the encoder's base
-        self._deltas_since_full = 0
+        self._deltas = DeltaSchedule(full_every) if full_every else None
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], urls: Sequence[str] | None = None) -> PushResult:
         """Send this stage's tensors into the open update of the replicas at `urls` (None: all)."""
@@ -129,11 +110,9 @@ class HostMemorySender:
         live = list(self._clients.values()) if urls is None else [self._clients[u] for u in urls]
         failed: dict[str, str] = {}
         sampled = self.carriers == ["shm"] and all(c.url in self._verified for c in live)
-        delta = (self._encoder is not None and bool(live) and all(c.url in self._in_step for c in live)
-                 and self._deltas_since_full < self.full_every - 1)
-        self._in_step = set()  # the encoder's base moves during the push: nobody holds it until the push completes
-        if self._encoder is not None:
-            named_tensors = self._encoder.encode(named_tensors, delta)
+        delta = self._deltas is not None and self._deltas.begin(c.url for c in live)
+        if self._deltas is not None:
+            named_tensors = self._deltas.encoder.encode(named_tensors, delta)
         send_s = 0.0
         num_buckets = nbytes = 0
         in_flight: list = []
@@ -158,8 +137,8 @@ class HostMemorySender:
         collect()
         self._verified |= {c.url for c in live}
         self._verified -= failed.keys()
-        self._in_step = {c.url for c in live}  # the encoder's base is now this push's version
-        self._deltas_since_full = self._deltas_since_full + 1 if delta else 0
+        if self._deltas is not None:
+            self._deltas.end((c.url for c in live), delta)
         return PushResult(bytes=nbytes, replicas=len(live), buckets=num_buckets, seconds=time.perf_counter() - t0,
                           send_seconds=send_s, failed=failed, carriers=self.carriers, delta=delta)
 
@@ -172,7 +151,7 @@ class HostMemorySender:
             turn["count"] += 1
             return turn["segment"].buffer(nbytes)
 
-        keep = self._encoder is not None  # the replica keeps what it loads: the next delta's base
+        keep = self._deltas is not None  # the replica keeps what it loads: the next delta's base
         for bucket in iter_buckets(tensors, self.bucket_bytes, alloc if self._segments else bytearray, sample_offset):
             size = len(bucket.payload)
             info = {}
@@ -187,8 +166,10 @@ class HostMemorySender:
     def forget(self, urls: Iterable[str]) -> None:
         """The next push to these replicas checks every byte and sends every weight again (no
         connection or group is kept)."""
-        self._verified -= set(urls)
-        self._in_step -= set(urls)
+        urls = set(urls)
+        self._verified -= urls
+        if self._deltas is not None:
+            self._deltas.forget(urls)
 
     def close(self) -> None:
         for c in self._clients.values():

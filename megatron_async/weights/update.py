@@ -34,10 +34,28 @@ from megatron_async.learner.parallel import ParallelLayout, from_rank0
 from megatron_async.rollout.pool import ReplicaPool, UpdateMode
 from megatron_async.weights.broadcast import BroadcastSender, make_wire
 from megatron_async.weights.change import ChangeMeter
-from megatron_async.weights.host_memory import HostMemorySender, resolve_full_every
+from megatron_async.weights.host_memory import HostMemorySender, carrier_for
 from megatron_async.weights.sender import PushResult, WeightSender, WeightSyncError
 
 log = logging.getLogger(__name__)
+
+AUTO_FULL_EVERY = 10  # rollout.sync_full_every: auto, where deltas pay
+
+
+def resolve_full_every(setting: int | str, transport: str, urls: Sequence[str], dtype: torch.dtype) -> tuple[int, str]:
+    """`rollout.sync_full_every` -> (the sender's `full_every`, why). auto: deltas (weights/delta.py)
+    where the bytes cost time, on a wire (`gloo`) or a replica reached over http, and for a 2-byte
+    replica dtype (an fp32 Adam step changes most elements: its deltas go whole); over shm a delta
+    costs more than the bytes it saves, and `nccl` has no delta path (measured and explained in
+    docs/replicas-and-weight-sync.md)."""
+    if setting != "auto":
+        return int(setting), "rollout.sync_full_every"
+    if transport == "nccl":
+        return 0, "auto: no delta path over nccl"
+    wire = [u for u in urls if transport == "gloo" or carrier_for(transport, u) == "http"]
+    if wire and dtype.itemsize == 2:
+        return AUTO_FULL_EVERY, f"auto: {dtype} replicas reached over {transport if transport == 'gloo' else 'http'}"
+    return 0, f"auto: {'every replica is reached over shm' if not wire else f'{dtype} changes most elements per step'}"
 
 
 @dataclass
@@ -59,14 +77,15 @@ class WeightUpdate:
         send_dtype = getattr(torch, replica_dtype(cfg.model)[0])
         sender: WeightSender | None = None
         if layout.tp_rank == 0 and layout.dp_rank == 0:
+            full_every, why = resolve_full_every(r.sync_full_every, r.weight_transport, urls, send_dtype)
+            log.info("weight sync, stage %d: %s (%s)", layout.pp_rank,
+                     f"deltas, a full sync every {full_every}" if full_every else "every sync full", why)
             if r.weight_transport in BROADCAST_TRANSPORTS:  # PP=1 (config.validate): that is rank 0
                 sender = BroadcastSender(urls, key, wire=make_wire(r.weight_transport), replica_tp=r.replica_tp,
                                          timeout_s=r.sync_timeout_s, bucket_bytes=r.sync_bucket_mb << 20,
-                                         address=r.rendezvous_address, base_port=r.rendezvous_port)
+                                         address=r.rendezvous_address, base_port=r.rendezvous_port,
+                                         full_every=full_every)
             else:
-                full_every, why = resolve_full_every(r.sync_full_every, r.weight_transport, urls, send_dtype)
-                log.info("weight sync, stage %d: %s (%s)", layout.pp_rank,
-                         f"deltas, a full sync every {full_every}" if full_every else "every sync full", why)
                 sender = HostMemorySender(urls, key, timeout_s=r.sync_timeout_s, bucket_bytes=r.sync_bucket_mb << 20,
                                           transport=r.weight_transport, full_every=full_every)
         meter = ChangeMeter(send_dtype) if sender is not None else None
