@@ -202,9 +202,9 @@ class RolloutConfig:
         "since the last sync (index and new value, where smaller than the tensor), a full sync every N syncs and "
         "after any replica failure or restart (weights/delta.py; transports auto, shm, http, gloo; not nccl). "
         "Each replica and the sender then keep a host copy of the weights. It saves bytes, not the replica's "
-        "loading. auto = 10 where a replica is reached over http or gloo and the replicas are bf16 (measured: "
-        "SmolLM2 over http 1.05 s against 8.8 s), else 0 (over shm a delta costs more than the bytes it saves: "
-        "0.76 s against 0.35 s; docs/replicas-and-weight-sync.md)")
+        "loading. auto = 10 where a replica is reached over http and the replicas are bf16 (measured: SmolLM2 "
+        "1.05 s against 8.8 s), else 0 (over shm and gloo the replica's loading, not the bytes, sets a sync's "
+        "time, and the delta's encoding costs more than it saves; docs/replicas-and-weight-sync.md)")
     weight_transport: WeightTransport = opt("auto",
         "how weight buckets reach the replicas' weight-transfer engine: shm (a /dev/shm segment; replicas "
         "on this host), http (inline in the request body; any host) (weights/host_memory.py); nccl (vLLM's "

@@ -215,7 +215,7 @@ def main() -> None:
                    help="weight-sync transports to measure, --syncs pushes each (auto: shm for these local replicas; "
                         "gloo: a second pool of replicas running the broadcast engine)")
     p.add_argument("--full-every", type=int, nargs="+", default=[0],
-                   help="delta sync as rollout.sync_full_every (0: every sync full; host-memory transports); "
+                   help="delta sync as rollout.sync_full_every (0: every sync full; shm, http and gloo); "
                         "several: --syncs pushes with each, one after the other, in the same run")
     p.add_argument("--changed-fraction", type=float, default=0.0,
                    help="fraction of the elements changed before each sync after the first (0: the same weights)")

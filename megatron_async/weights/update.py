@@ -44,18 +44,18 @@ AUTO_FULL_EVERY = 10  # rollout.sync_full_every: auto, where deltas pay
 
 def resolve_full_every(setting: int | str, transport: str, urls: Sequence[str], dtype: torch.dtype) -> tuple[int, str]:
     """`rollout.sync_full_every` -> (the sender's `full_every`, why). auto: deltas (weights/delta.py)
-    where the bytes cost time, on a wire (`gloo`) or a replica reached over http, and for a 2-byte
-    replica dtype (an fp32 Adam step changes most elements: its deltas go whole); over shm a delta
-    costs more than the bytes it saves, and `nccl` has no delta path (measured and explained in
-    docs/replicas-and-weight-sync.md)."""
+    only where the bytes are what a sync costs, a replica reached over http, and for a 2-byte
+    replica dtype (an fp32 Adam step changes most elements: its deltas go whole). Over shm and
+    gloo the replica's loading, not the bytes, sets the time, so a delta's encoding is a loss, and
+    nccl has no delta path (measured and explained in docs/replicas-and-weight-sync.md)."""
     if setting != "auto":
         return int(setting), "rollout.sync_full_every"
-    if transport == "nccl":
-        return 0, "auto: no delta path over nccl"
-    wire = [u for u in urls if transport == "gloo" or carrier_for(transport, u) == "http"]
-    if wire and dtype.itemsize == 2:
-        return AUTO_FULL_EVERY, f"auto: {dtype} replicas reached over {transport if transport == 'gloo' else 'http'}"
-    return 0, f"auto: {'every replica is reached over shm' if not wire else f'{dtype} changes most elements per step'}"
+    if transport in BROADCAST_TRANSPORTS:
+        return 0, f"auto: over {transport} a sync's time is the replica's loading, not the bytes"
+    http = [u for u in urls if carrier_for(transport, u) == "http"]
+    if http and dtype.itemsize == 2:
+        return AUTO_FULL_EVERY, f"auto: {dtype} replicas reached over http ({len(http)} of {len(urls)})"
+    return 0, f"auto: {'no replica is reached over http' if not http else f'{dtype} changes most elements per step'}"
 
 
 @dataclass
