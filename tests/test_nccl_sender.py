@@ -26,7 +26,9 @@ def test_update_info_names_dtypes_and_shapes_of_a_bucket():
         "names": ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"],
         "dtype_names": ["bfloat16", "float32", "float16"],  # getattr(torch, name) on the replica
         "shapes": [[7, 4], [4], [7, 4]],
+        "keep": False,  # the replica keeps what it loads only for delta sync (weights/delta.py)
     }
+    assert update_info(bucket, keep=True)["keep"] is True
     assert all(isinstance(getattr(torch, d), torch.dtype) for d in update_info(bucket)["dtype_names"])
 
 
