@@ -84,5 +84,5 @@ def lm_head(gpt) -> LMHead:
 
 def whole_logits(gpt, hidden: torch.Tensor) -> torch.Tensor:
     """[b, s, hidden] output of GPTModel `gpt` -> its [b, s, vocab / TP] logits, all at once: what
-    GPTModel returns without the deferral (parity checks; the learner's passes go chunk by chunk)."""
+    GPTModel returns without the deferral (parity checks; the learner's passes project inside the loss)."""
     return lm_head(gpt)(hidden.transpose(0, 1)).transpose(0, 1)

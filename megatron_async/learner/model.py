@@ -301,7 +301,7 @@ def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dt
             original_max_position_embeddings=rope["original_max_position_embeddings"],
         )
     _zero_vocab_padding(model, arch.vocab_size, vocab, tp)
-    defer_lm_head(model)  # the loss projects the hidden states chunk by chunk (learner/lm_head.py)
+    defer_lm_head(model)  # the loss projects the hidden states itself (learner/lm_head.py)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return LearnerModel([model], arch, vocab, perf, raw, logits_chunk_bytes=logits_chunk_bytes)

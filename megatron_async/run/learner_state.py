@@ -77,10 +77,11 @@ class LearnerState:
                                  decay_steps=max(1, optim_steps - t.warmup_steps), decay_style=t.lr_decay)
         perf = PerfSettings.from_config(cfg.parallel)  # parallel.* GPU settings, resolved per model (learner/perf.py)
         vocab_pad = cfg.model.make_vocab_size_divisible_by  # learner/model.py: vocabulary padding
-        chunk = t.logits_chunk_mb << 20  # learner/lm_head.py: 0 = each microbatch's logits at once
-        policy = build_model(init_model, perf=perf, make_vocab_size_divisible_by=vocab_pad, logits_chunk_bytes=chunk)
+        chunk_bytes = t.logits_chunk_mb << 20  # learner/lm_head.py: 0 = each microbatch's logits at once
+        policy = build_model(init_model, perf=perf, make_vocab_size_divisible_by=vocab_pad, logits_chunk_bytes=chunk_bytes)
         load_hf_weights(policy, init_model)
-        reference = build_model(init_model, perf=perf, make_vocab_size_divisible_by=vocab_pad, logits_chunk_bytes=chunk)
+        reference = build_model(init_model, perf=perf, make_vocab_size_divisible_by=vocab_pad,
+                                logits_chunk_bytes=chunk_bytes)
         load_hf_weights(reference, init_model)
         for chunk in reference.chunks:
             chunk.requires_grad_(False)
