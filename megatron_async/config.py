@@ -114,9 +114,13 @@ class ParallelConfig:
     pp: int = opt(1, "learner pipeline-parallel size")
     world_size: int = opt(0,
         "world size (learner ranks); 0 = take WORLD_SIZE from torchrun. DP = world / (tp * pp).")
-    learner_cpus: int | str = opt("",
+    learner_cpus: int | str = opt("auto",
         "CPU ids for the learner ranks (\"0\", \"0-3\", \"0,2\"; split evenly over local ranks when there are"
-        " enough): sched_setaffinity + torch threads. \"\" = no pinning. See cluster/cpu_affinity.py.")
+        " enough): sched_setaffinity + torch threads. \"\" = no pinning. auto (logged at launch): without CUDA"
+        " and with the replicas on this node, the first max(local learner ranks, n // 2) of this machine's n CPUs"
+        " (2 CPUs: \"0\"), the CPUs rollout.replica_cpus leaves if that is set; unpinned on GPU machines, with"
+        " fewer CPUs than local ranks + 1, or without replicas here. The SFT phase uses every CPU either way."
+        " See cluster/cpu_affinity.py.")
     # GPU performance settings (learner/perf.py): null = auto, on where megatron-core supports it with
     # our model, always off on CPU; true where it cannot work is an error naming the key.
     sequence_parallel: bool | None = opt(None,
@@ -220,9 +224,11 @@ class RolloutConfig:
         "weight_transport=nccl/gloo: replica i's group rendezvous at rendezvous_port + i; 0 = a free port "
         "each time")
     generate_timeout_s: float = opt(600.0, "a generation request slower than this fails its replica")
-    replica_cpus: int | str = opt("",
+    replica_cpus: int | str = opt("auto",
         "CPU ids every replica process pins itself to (\"1\", \"2-3\"); \"\" = no pinning (if the learner is "
-        "pinned, replicas get the CPUs the learner had before pinning). See cluster/cpu_affinity.py.")
+        "pinned, replicas get the CPUs the learner had before pinning). auto: the CPUs the learner's share "
+        "leaves (parallel.learner_cpus: 2 CPUs give the replicas \"1\"), unpinned where the learner is. See "
+        "cluster/cpu_affinity.py.")
 
 
 @dataclass

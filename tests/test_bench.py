@@ -120,7 +120,7 @@ def test_replica_env_carries_the_cpu_list():
 def test_config_accepts_pinning_keys():
     cfg = load_config(None, ["parallel.learner_cpus=0", "rollout.replica_cpus=0"])
     assert str(cfg.parallel.learner_cpus) == "0" and str(cfg.rollout.replica_cpus) == "0"
-    assert load_config(None, []).parallel.learner_cpus == ""
+    assert load_config(None, []).parallel.learner_cpus == "auto"  # unset: tests/test_cpu_placement.py
 
 
 @pytest.mark.parametrize("override,key", [
@@ -135,7 +135,8 @@ def test_config_rejects_bad_pinning_naming_the_key(override, key):
 
 
 def test_pin_overrides():
-    assert pin_overrides("none") == []
+    assert pin_overrides("none") == ["parallel.learner_cpus=", "rollout.replica_cpus="]  # "" = no pinning
+    assert pin_overrides("auto") == []  # the config's keys: unset, the trainer's own split
     assert pin_overrides("0:1") == ["parallel.learner_cpus=0", "rollout.replica_cpus=1"]
     with pytest.raises(SystemExit):
         pin_overrides("0")

@@ -28,9 +28,10 @@ KL by N, T, K) and `figure4.png` (held-out pass@1 and training reward vs KL by N
 Figure 4 analogue), rewritten after every run. The default is sized for ~10-15 min on 2 shared
 cores; the measured Figure 4 sweep is in docs/off-policy.md.
 
-CPU layout: by default (`--pin auto`) the learner is pinned to CPU 0 and the replicas to the
-other CPUs (parallel.learner_cpus / rollout.replica_cpus), as the paper puts them on separate
-GPUs; `--pin none` leaves both unpinned; explicit overrides win. Load averages are recorded
+CPU layout: by default (`--pin auto`) the runs keep the config's parallel.learner_cpus /
+rollout.replica_cpus, whose "auto" splits the CPUs between learner and replicas (2 CPUs: learner
+0, replica 1; cluster/cpu_affinity.py), as the paper puts them on separate GPUs; `--pin none`
+leaves both unpinned, `--pin L:R` sets both; explicit overrides win. Load averages are recorded
 around every run: numbers from a shared machine are only comparable within one invocation.
 """
 from __future__ import annotations
@@ -52,6 +53,7 @@ from tqdm import tqdm
 from megatron_async.bench import learner as bench_learner
 from megatron_async.bench import report
 from megatron_async.bench.contention import run_contention
+from megatron_async.cluster.placement import cpu_plan
 from megatron_async.config import ConfigError, load_config
 from megatron_async.io_utils import atomic_write_text
 
@@ -68,14 +70,11 @@ def machine() -> dict:
 
 
 def pin_overrides(pin: str) -> list[str]:
-    """--pin auto|none|LEARNER:REPLICA -> config overrides."""
+    """--pin auto|none|LEARNER:REPLICA -> config overrides (auto: none, the trainer's own CPU plan)."""
     if pin == "none":
-        return []
+        return ["parallel.learner_cpus=", "rollout.replica_cpus="]
     if pin == "auto":
-        n = os.cpu_count() or 1
-        if n < 2:
-            return []
-        return ["parallel.learner_cpus=0", f"rollout.replica_cpus={'1' if n == 2 else f'1-{n - 1}'}"]
+        return []
     learner, sep, replica = pin.partition(":")
     if not sep:
         raise SystemExit(f"--pin {pin!r}: expected auto, none or LEARNER:REPLICA CPU lists, e.g. 0:1")
@@ -170,6 +169,7 @@ def bench_async(args) -> int:
     started = machine()
     shared = prepare_sft(args.config, base, out_dir, args.timeout_s, args.init_model)
     cfg = load_config(args.config, [*base, *shared])
+    cpus = cpu_plan(cfg)  # the CPU lists each run's learner resolves to (its "auto" on this machine)
     order = []
     for i, seed in enumerate(args.seeds):
         modes = (0, 1) if i % 2 == 0 else (1, 0)  # ABBA
@@ -189,7 +189,7 @@ def bench_async(args) -> int:
     result = {
         "command": "megatron-async bench " + " ".join(args.argv),
         "machine_start": started, "machine_end": machine(),
-        "pinning": {"learner_cpus": cfg.parallel.learner_cpus, "replica_cpus": cfg.rollout.replica_cpus},
+        "pinning": {"learner_cpus": cpus.learner, "replica_cpus": cpus.replica, "why": cpus.why},
         "config": {"algorithm": cfg.trainer.algorithm, "steps": cfg.trainer.steps,
                    "prompts_per_step": cfg.rollout.prompts_per_step, "k": cfg.rollout.k,
                    "max_new_tokens": cfg.rollout.max_new_tokens, "hidden": cfg.model.tiny_hidden_size,
@@ -211,7 +211,7 @@ def bench_async(args) -> int:
     if args.contention:
         model = Path(cfg.model.hf_path) if cfg.model.hf_path != "tiny" else None
         result["contention"] = run_contention(model or Path(runs[order[0]]["run_dir"]) / "base_model",
-                                              cfg.parallel.learner_cpus, cfg.rollout.replica_cpus,
+                                              cpus.learner, cpus.replica,
                                               seconds=args.contention_s, out_dir=out_dir)
     if args.rollout:
         result["rollout"] = fold_rollout(out_dir, ["--models", "tiny", "--syncs", "3"])
@@ -221,7 +221,7 @@ def bench_async(args) -> int:
                                 f"async (max_lag=1), seed {seed}": runs[(seed, 1)]["history"]},
                                out_dir / "bench_async_timeline.png",
                                title=f"{cfg.trainer.algorithm}: per-step seconds, learner CPUs "
-                                     f"'{cfg.parallel.learner_cpus}', replica CPUs '{cfg.rollout.replica_cpus}'")
+                                     f"'{cpus.learner}', replica CPUs '{cpus.replica}'")
     s = result["summary"]
     print(f"speedup {s['speedup']:.3f} (per seed {', '.join(f'{x:.3f}' for x in s['speedup_per_seed'])}) | "
           f"ideal {s['ideal']:.3f} | efficiency {s['efficiency']:.3f} | "
@@ -522,7 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("config")
         sp.add_argument("overrides", nargs="*", help="section.key=value (after the defaults of --small)")
         sp.add_argument("--out-dir", default=None)
-        sp.add_argument("--pin", default="auto", help="auto (learner CPU 0, replicas the rest), none, or L:R")
+        sp.add_argument("--pin", default="auto",
+                        help="auto (the config's CPU keys; unset, they split the CPUs), none (unpinned), or L:R")
         sp.add_argument("--timeout-s", type=float, default=3600.0, help="per training run")
         sp.add_argument("--init-model", default=None,
                         help="start every run from this HF checkpoint (skips the shared SFT run)")

@@ -7,6 +7,14 @@ Empty strings mean no pinning. On a 2-core machine, unpinned OpenMP threads of t
 vLLM fight over both cores; pinned, they overlap at ~8% contention (measured: vLLM on one core and
 a torch training loop on the other each ran at 91-93% of its speed alone).
 
+Unset, both keys are "auto" and `plan_cpus` decides, once per learner rank at launch
+(run/launch.py, through placement.cpu_plan): without CUDA, with the replicas on this node, the
+CPUs this process may use are split into two disjoint sets, the first max(local learner ranks,
+n // 2) for the learner ranks and the rest for the replicas (2 CPUs: learner "0", replicas "1",
+as the shipped configs set them); fewer than local ranks + 1 CPUs, CUDA, or no replicas here:
+no pinning. An explicit key wins; the other "auto" key then takes the CPUs it leaves. The decision
+is logged on one line.
+
 NOTE mechanism: CPU affinity is inherited at fork, so a replica started by a pinned learner would
 inherit the learner's cores. The pool therefore passes the replica's own CPU list in the
 environment (`MEGATRON_ASYNC_CPUS`); the launcher (rollout/launcher.py) sets it as the affinity of
@@ -20,11 +28,13 @@ from __future__ import annotations
 import os
 import re
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 REPLICA_CPUS_ENV = "MEGATRON_ASYNC_CPUS"
+CPUS_AUTO = "auto"  # parallel.learner_cpus / rollout.replica_cpus unset: `plan_cpus` picks
 _ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 # CPUs this process could use before `pin_learner` narrowed them (given back to unpinned replicas)
@@ -71,6 +81,45 @@ def available_cpus() -> set[int]:
 
 def format_cpu_list(cpus) -> str:
     return ",".join(str(c) for c in sorted(cpus))
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """The CPU lists a run applies (each "" = no pinning) and, in words, how they were chosen."""
+    learner: str  # parallel.learner_cpus as applied
+    replica: str  # rollout.replica_cpus as applied
+    why: str
+
+    def describe(self) -> str:
+        where = lambda cpus: f"CPUs {cpus}" if cpus else "unpinned"  # noqa: E731
+        return f"CPU placement: learner {where(self.learner)}, replicas {where(self.replica)} ({self.why})"
+
+
+def plan_cpus(learner_cpus: int | str, replica_cpus: int | str, *, cpus: list[int], cuda: bool,
+              learner_ranks: int, replicas_here: bool) -> CpuPlan:
+    """Resolve "auto" keys over `cpus` (this process's CPUs), for `learner_ranks` local learner
+    ranks and, if `replicas_here`, the replicas of this node. Explicit values are kept as given."""
+    learner, replica, cpus = str(learner_cpus), str(replica_cpus), sorted(cpus)
+    if CPUS_AUTO not in (learner, replica):
+        return CpuPlan(learner, replica, "set by the config")
+    unpinned_if_auto = lambda v: "" if v == CPUS_AUTO else v  # noqa: E731
+    if cuda:
+        return CpuPlan(unpinned_if_auto(learner), unpinned_if_auto(replica),
+                       "auto: CUDA, the GPUs keep the learner and the replicas apart")
+    if not replicas_here:
+        return CpuPlan(unpinned_if_auto(learner), unpinned_if_auto(replica), "auto: no replica runs on this node")
+    if learner != replica:  # one key set: the other takes the CPUs it leaves ("" leaves none: it uses them all)
+        key, given = ("parallel.learner_cpus", learner) if replica == CPUS_AUTO else ("rollout.replica_cpus", replica)
+        rest = format_cpu_list(set(cpus) - set(parse_cpu_list(given))) if given else ""
+        return CpuPlan(learner if learner != CPUS_AUTO else rest, replica if replica != CPUS_AUTO else rest,
+                       f"auto: the CPUs {key} = {given!r} leaves" + ("" if rest else ": none"))
+    n = len(cpus)
+    if n < learner_ranks + 1:
+        return CpuPlan("", "", f"auto: {n} CPU(s) cannot give {learner_ranks} learner rank(s) and the replicas one each")
+    split = max(learner_ranks, n // 2)
+    return CpuPlan(format_cpu_list(cpus[:split]), format_cpu_list(cpus[split:]),
+                   f"auto: of {n} CPUs the first max(learner ranks, n // 2) = {split} for {learner_ranks} learner "
+                   "rank(s), the rest for the replicas")
 
 
 def pin_current_process(cpus: list[int], set_torch_threads: bool = True) -> None:

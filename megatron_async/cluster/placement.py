@@ -24,7 +24,10 @@ ranks with a *static* rendezvous (`--nnodes --node-rank --master-addr`), global 
   (which requires `rollout.token`); loopback works only when all senders share the replica node,
   i.e. never with a dedicated replica node on real nodes.
 
-Without CUDA, GPU lists are ignored (the CPU test runs two "nodes" on one machine).
+Without CUDA, GPU lists are ignored (the CPU test runs two "nodes" on one machine); there
+`cpu_plan` splits the CPUs between the learner ranks and the replicas where parallel.learner_cpus
+and rollout.replica_cpus are "auto" (cluster/cpu_affinity.py's `plan_cpus`; on the replica node
+only: other nodes' learner ranks keep every CPU).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from megatron_async.cluster.cpu_affinity import CpuPlan, plan_cpus
 from megatron_async.config import LOOPBACK_HOSTS, Config, ConfigError
 
 
@@ -209,6 +213,17 @@ def replica_devices(cfg: Config) -> list[str] | None:
     visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     name = lambda i: visible[i] if visible else str(i)  # noqa: E731 - index within the parent's view
     return [",".join(name(i) for i in ids) for ids in node_layout(cfg, cfg.placement.replica_node, gpus).replicas]
+
+
+def cpu_plan(cfg: Config) -> CpuPlan:
+    """This learner rank's CPU lists (parallel.learner_cpus, rollout.replica_cpus; "auto" resolved
+    over the CPUs this process may use, for its node's local ranks and replicas)."""
+    node = learner_nodes(cfg)[int(os.environ.get("GROUP_RANK", "0"))]
+    replicas_here = (not cfg.rollout.replica_urls and not cfg.placement.dedicated_replica_node
+                     and node == cfg.placement.replica_node)
+    return plan_cpus(cfg.parallel.learner_cpus, cfg.rollout.replica_cpus, cpus=sorted(os.sched_getaffinity(0)),
+                     cuda=_gpus() > 0, learner_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                     replicas_here=replicas_here)
 
 
 def check_reachable(replica_machine: str, urls: list[str]) -> None:

@@ -26,8 +26,8 @@ from safetensors import safe_open
 
 from megatron_async.algorithms import ALGORITHMS
 from megatron_async.cluster import placement
-from megatron_async.cluster.cpu_affinity import (NATIVE_BF16_FLAGS, available_cpus, cpu_flags, format_cpu_list,
-                                                  parse_cpu_list)
+from megatron_async.cluster.cpu_affinity import (CPUS_AUTO, NATIVE_BF16_FLAGS, available_cpus, cpu_flags,
+                                                  format_cpu_list, parse_cpu_list)
 from megatron_async.config import Config, ConfigError, replica_dtype
 from megatron_async.data import DataError, Problem, format_prompt, load_file, tokenize_prompts
 from megatron_async.learner.mapping import validate_hf_checkpoint
@@ -359,6 +359,8 @@ def _check_tracking_server(cfg: Config) -> None:
 def _check_cpu_lists(cfg: Config) -> None:
     have = available_cpus()
     for key, text in (("parallel.learner_cpus", cfg.parallel.learner_cpus), ("rollout.replica_cpus", cfg.rollout.replica_cpus)):
+        if text == CPUS_AUTO:  # resolved at launch, over whatever CPUs there are (placement.cpu_plan)
+            continue
         try:
             cpus = parse_cpu_list(text)
         except ValueError as e:
