@@ -1,6 +1,7 @@
 """Bench report arithmetic (speedup / ideal / efficiency from given per-step timings) and the
 validation of the CPU pinning keys. Fast, no processes, no timed assertions."""
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ from megatron_async.bench.commands import pin_overrides, sweep_plan
 from megatron_async.config import ConfigError, load_config
 from megatron_async.run.preflight import preflight
 from megatron_async.cluster.cpu_affinity import format_cpu_list, parse_cpu_list, rank_cpus, replica_pin_env
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def history(gen, train, sync, idle, wall, replica_idle_cumulative=None, reward=0.5, kl=0.1):
@@ -295,7 +298,7 @@ def test_bench_sweep_resume_runs_only_what_is_missing_and_keeps_earlier_runs(tmp
     monkeypatch.setattr(commands, "run_training", fake_run)
     for plot in ("plot_sweep", "plot_figure4"):  # drawn by test_write_sweep_*; here only the loop matters
         monkeypatch.setattr(report, plot, lambda *a, **k: None)
-    argv = ["sweep", str(commands.REPO / "configs" / "cpu_tiny.yaml"), "trainer.steps=2", "--algorithms", "online_dpo", "ppo",
+    argv = ["sweep", str(REPO / "configs" / "cpu_tiny.yaml"), "trainer.steps=2", "--algorithms", "online_dpo", "ppo",
             "--t", "1", "--k", "8", "--corrections", "none", "tis", "--seeds", "0", "--init-model", "tiny-sft",
             "--out-dir", str(tmp_path)]
     monkeypatch.setattr(commands, "prepare_sft", lambda *a, **k: [])
@@ -361,3 +364,29 @@ def test_sft_before_the_replicas_gets_the_cpus_back_and_the_pinning_returns(monk
     finally:
         os.sched_setaffinity(0, before)
         torch.set_num_threads(threads)
+
+
+class _NoMegatron:
+    """A meta-path finder that refuses megatron-core, as a machine without it would."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "megatron" or name.startswith("megatron."):
+            raise ImportError(f"{name} is hidden by the test")
+        return None
+
+
+def test_bench_commands_import_without_megatron(monkeypatch):
+    """`bench async` / `sweep` / `rollout` start subprocesses or replicas: their module loads without
+    megatron-core (only `bench learner` imports it, when asked). Every megatron and megatron_async
+    module is dropped from sys.modules first, so nothing imported earlier hides an import."""
+    import importlib
+    import sys
+
+    for name in [k for k in sys.modules if k.split(".")[0] in ("megatron", "megatron_async")]:
+        monkeypatch.delitem(sys.modules, name)  # put back after the test
+    monkeypatch.setattr(sys, "meta_path", [_NoMegatron(), *sys.meta_path])
+    commands = importlib.import_module("megatron_async.bench.commands")
+    assert callable(commands.main) and commands.bench_rollout.main
+    assert not [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]
+    with pytest.raises(ImportError, match="hidden by the test"):  # the finder does hide it
+        importlib.import_module("megatron_async.bench.learner")

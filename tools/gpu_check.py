@@ -291,12 +291,12 @@ def _compile_smoke_ok(out_dir: Path) -> bool | None:
 
 
 def learner_bench(args, out_dir: Path | None = None) -> dict:
-    """tools/gpu_bench.py's learner phase in its own process: step time, tokens/s, MFU, memory by
+    """tools/gpu/gpu_bench.py's learner phase in its own process: step time, tokens/s, MFU, memory by
     component, beside docs/scaling.md's estimates."""
     out_dir = out_dir or Path(args.out) / "learner_bench"
     sizes = ["--rows", "2", "--seq", "32", "--micro-batch", "2", "--steps", "1"] if args.dry_run else []
     environ = {**os.environ, **({"GPU_BENCH_SMOKE": "1"} if args.dry_run else {})}
-    r = _run([sys.executable, "tools/gpu_bench.py", "learner", "--out", str(out_dir), *sizes], timeout=args.budget, env=environ)
+    r = _run([sys.executable, "tools/gpu/gpu_bench.py", "learner", "--out", str(out_dir), *sizes], timeout=args.budget, env=environ)
     path = out_dir / "learner.json"
     if not path.exists():
         return {"status": "failed", "error": f"gpu_bench learner rc={r['rc']}", "tail": r["tail"]}
@@ -486,7 +486,7 @@ def batch_prep(args) -> dict:
 
 
 def vllm(args) -> dict:
-    """vLLM on the GPU: tools/gpu_bench.py's vllm phase (generation tokens/s on one GPU). The weight
+    """vLLM on the GPU: tools/gpu/gpu_bench.py's vllm phase (generation tokens/s on one GPU). The weight
     sync over vLLM's NCCL engine (weights/broadcast.py, NcclWire) is tests/test_nccl_sender.py, a `gpu` test
     the gpu_tests phase runs where vLLM is installed."""
     if not _have("vllm"):
@@ -496,7 +496,7 @@ def vllm(args) -> dict:
         return {"status": "skipped", "reason": "no CUDA: the vLLM GPU checks need a GPU"}
     out: dict = {}
     bench_dir = Path(args.out) / "vllm_bench"
-    bench = _run([sys.executable, "tools/gpu_bench.py", "vllm", "--out", str(bench_dir)], timeout=args.budget)
+    bench = _run([sys.executable, "tools/gpu/gpu_bench.py", "vllm", "--out", str(bench_dir)], timeout=args.budget)
     out["bench"] = json.loads((bench_dir / "vllm.json").read_text()) if (bench_dir / "vllm.json").exists() else {
         "rc": bench["rc"], "tail": bench["tail"]}
     if "rc" in out["bench"]:

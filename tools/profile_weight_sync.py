@@ -41,9 +41,8 @@ import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
 
-from bench_rollout import prepare  # noqa: E402
+from megatron_async.bench.rollout import prepare  # noqa: E402
 from megatron_async.weights.buckets import iter_buckets  # noqa: E402
 from megatron_async.weights.shm import ShmSegment  # noqa: E402
 

