@@ -224,6 +224,11 @@ class RolloutConfig:
         "weight_transport=nccl/gloo: replica i's group rendezvous at rendezvous_port + i; 0 = a free port "
         "each time")
     generate_timeout_s: float = opt(600.0, "a generation request slower than this fails its replica")
+    startup_timeout_s: float = opt(300.0,
+        "seconds a replica may take to answer after it was started or restarted (a replica_urls server: to "
+        "answer again after a failure) before the run stops. GPU replicas load their weights, compile and "
+        "capture CUDA graphs before they answer; several large replicas starting at once on one node (four 8B) "
+        "may need more")
     replica_cpus: int | str = opt("auto",
         "CPU ids every replica process pins itself to (\"1\", \"2-3\"); \"\" = no pinning (if the learner is "
         "pinned, replicas get the CPUs the learner had before pinning). auto: the CPUs the learner's share "
@@ -550,6 +555,8 @@ def validate(cfg: Config) -> None:
     _require(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
     _require(r.kv_cache_gib > 0, "rollout.kv_cache_gib", r.kv_cache_gib, "vLLM on CPU needs a KV cache size > 0")
     _require(r.sync_bucket_mb >= 1, "rollout.sync_bucket_mb", r.sync_bucket_mb, "must be >= 1")
+    _require(r.startup_timeout_s > 0, "rollout.startup_timeout_s", r.startup_timeout_s,
+             "must be > 0 (seconds a replica may take to start)")
     _require(t.logits_chunk_mb >= 0, "trainer.logits_chunk_mb", t.logits_chunk_mb, "must be >= 0 (0 = whole logits)")
     _require(r.sync_full_every in ("auto", 0) or (isinstance(r.sync_full_every, int) and r.sync_full_every >= 2),
              "rollout.sync_full_every", r.sync_full_every,

@@ -49,7 +49,8 @@ def sender(gloo_pool):
 def push(pool, sender, named, resync: bool = False):
     """One update as WeightUpdate runs it -> (push result, replicas that published the version)."""
     version = pool.next_version
-    opened = pool.begin_update(None, "between_batches", TIMEOUT_S)
+    # a re-sync names its replicas: a full update leaves out one back from a failure (ReplicaPool.begin_update)
+    opened = pool.begin_update(range(len(pool.urls)) if resync else None, "between_batches", TIMEOUT_S)
     targets = [pool.urls[i] for i in opened]
     if resync:
         sender.forget(targets)

@@ -265,7 +265,7 @@ def test_pool_of_replica_urls_when_their_server_dies(tmp_path):
             assert [(r.replica_id, r.version, r.weights_ok) for r in stale] == [(0, 0, False)]
             with pytest.raises(TimeoutError, match="unfinished"):
                 pool.generate(prompts, sampling, timeout_s=3)  # not fresh: no work before the push
-            assert pool.begin_update(None, "between_batches", timeout_s=60) == [0]
+            assert pool.begin_update([0], "between_batches", timeout_s=60) == [0]  # a re-sync, as the learner's
             with HostMemorySender(pool.urls, pool.key, timeout_s=60, bucket_bytes=1 << 20) as sender:
                 assert sender.push(iter(state_dict(base).items())).failed == {}
             assert pool.finish_update(1, [0]) == [0]

@@ -85,3 +85,26 @@ def test_replica_killed_mid_run_loses_no_prompt(tmp_path):
     assert m["rollout/replica_restarts"][STEPS - 1] >= 1
     # the restarted replica only generated with current weights: lag stays within the bound
     assert max(m["rollout/lag_max"].values()) <= 1.0
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["http", "gloo"])
+def test_a_replica_restarted_while_the_learner_trains_is_resynced_and_serves_the_next_version(tmp_path, transport):
+    """The trainer's own path (no `forget` by hand): one replica, restarted by the pool between the
+    learner's push of v1 and its push of v2 (run/faults.py: killed before step 1 trains, once batch
+    2, the last one v1 serves, is generated). The senders still hold its previous process's state:
+    over http with deltas (bf16: a small step changes few elements) the delta base, which a push to
+    the new process would miss (`DeltaBaseError`); over gloo its group. The pool leaves it out of
+    the regular push, the learner re-syncs it whole through a fresh group first, the run goes on,
+    and the restarted replica generates batch 3 with v2."""
+    run = tmp_path / "cpu_tiny"
+    proc = train(tmp_path, *RLOO, f"rollout.weight_transport={transport}", "rollout.sync_full_every=10",
+                 "model.dtype=bfloat16", env={"MEGATRON_ASYNC_RESTART_REPLICA_AT_STEP": "1"})
+    assert_trained(run, learning_signal=False)
+    m = metrics(run)
+    assert m["rollout/replica_restarts"][STEPS - 1] == 1.0
+    assert "replicas [0] restarted: pushing the learner's current weights (v2)" in proc.stderr, proc.stderr[-4000:]
+    # one replica: batch 3 came from the restarted one, generated with v2 (max_lag=1), as every batch before it
+    assert [m["rollout/policy_version"][s] for s in range(STEPS)] == [0.0, 0.0, 1.0, 2.0]
+    assert m["weight_sync/delta"][STEPS - 1] == 1.0  # the replica took deltas again after its whole re-sync

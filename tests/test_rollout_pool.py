@@ -31,6 +31,7 @@ import pytest
 
 from megatron_async.cluster.cpu_affinity import replica_pin_env
 from megatron_async.rollout import PoolError, ReplicaPool, ReplicaSpec, Sampling
+from megatron_async.rollout.launcher import free_port
 from megatron_async.rollout.pool import GENERATE_ROUTE
 from megatron_async.rollout.replica import auth_headers, server_command, server_entry, server_env
 from tests.rollout_fixtures import LOGPROB_TOL, gone, max_logprob_diff, process_tree, resync, spec, sync, wait_for
@@ -46,6 +47,8 @@ POOL_ROUTES = [
     ("POST", "/v1/completions"), ("POST", "/collective_rpc"),
 ]
 READ_ONLY = {"/health", "/weight_info"}
+# what a server of ours reports at /server_info (dev mode), as far as the pool's start-up probe reads it
+OUR_SERVER_INFO = {"vllm_config": {"weight_transfer_config": {"backend": "mas_cpu"}}}
 
 
 # -- fast tier: no process ------------------------------------------------------------------------
@@ -103,6 +106,8 @@ def test_a_dropped_connection_to_a_replica_that_still_answers_is_only_requeued(t
             self.wfile.write(data)
 
         def do_GET(self):
+            if self.path.startswith("/server_info"):
+                return self.answer(OUR_SERVER_INFO)
             self.answer({"weight_version": "0"} if self.path == "/weight_info" else {})
 
         def do_POST(self):
@@ -130,9 +135,11 @@ def test_a_dropped_connection_to_a_replica_that_still_answers_is_only_requeued(t
 
 
 @contextlib.contextmanager
-def stand_in(answer):
+def stand_in(answer, server_info: dict | None = OUR_SERVER_INFO, scale_out: bool = True):
     """A stand-in replica (stdlib HTTP server in a thread, not vLLM): `answer(method, path)` gives
-    (status, json body) per request; yields (url, calls), calls = [(method, path, query)] in order."""
+    (status, json body) per request; yields (url, calls), calls = [(method, path, query)] in order.
+    The pool's start-up probe is answered apart, not in `calls`: `server_info` at /server_info (None:
+    404, no dev mode), and a GET of the token-in route 405 (mounted) or, without `scale_out`, 404."""
     calls = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -143,8 +150,13 @@ def stand_in(answer):
             if method == "POST":
                 self.rfile.read(int(self.headers.get("content-length") or 0))
             url = urlsplit(self.path)
-            calls.append((method, url.path, url.query))
-            status, body = answer(method, url.path)
+            if method == "GET" and url.path == "/server_info":  # the pool's start-up probe
+                status, body = (404, {}) if server_info is None else (200, server_info)
+            elif method == "GET" and url.path == GENERATE_ROUTE:
+                status, body = (405, {}) if scale_out else (404, {})
+            else:
+                calls.append((method, url.path, url.query))
+                status, body = answer(method, url.path)
             data = json.dumps(body).encode()
             self.send_response(status)
             self.send_header("content-type", "application/json")
@@ -234,6 +246,75 @@ def test_a_replica_whose_update_cannot_open_is_resumed_not_left_paused(tmp_path)
         control = [(m, p, q) for m, p, q in calls if p not in ("/health", "/weight_info", "/update_weight_version")]
         assert control == [("POST", "/pause", "mode=keep"), ("POST", "/start_weight_update", ""), ("POST", "/resume", "")]
         assert pool.replicas_needing_weights(wait_s=0)[0].weights_ok is False  # out of dispatch until a full update
+
+
+def test_a_replica_back_from_a_failure_takes_only_a_resync_until_one_opened_on_it(tmp_path):
+    """A replica that failed and answers again (here a replica_urls server whose /health failed once)
+    still has, in the learner's senders, the group or delta base of its previous process: a full
+    update leaves it out, `replicas_needing_weights` names it (though its version is current), a
+    re-sync opens on it (weights/update.py has the senders forget it first), and from then on full
+    updates include it again."""
+    down = []
+
+    def answer(method, path):
+        if path == "/health" and down:
+            return 503, {}
+        return 200, {"weight_version": "1"} if path == "/weight_info" else {}  # what finish_update(1) publishes
+
+    with stand_in(answer) as (url, calls), \
+            ReplicaPool(spec(tmp_path), urls=[url], key="k", start_timeout_s=30) as pool:
+        assert pool.begin_update(None, "between_batches", timeout_s=10) == [0]
+        assert pool.finish_update(1, [0]) == [0]
+        down.append(1)
+        assert pool.health_check()[0]["up"] is False  # failed: the pool waits for it to answer again
+        down.clear()
+        stale = pool.replicas_needing_weights(wait_s=30)  # waits for it to answer
+        assert [(r.replica_id, r.version, r.weights_ok) for r in stale] == [(0, 1, True)]
+        assert pool.begin_update(None, "between_batches", timeout_s=10) == []  # a full update leaves it out
+        assert pool.finish_update(2, []) == []
+        assert pool.begin_update([0], "between_batches", timeout_s=10) == [0]  # the learner's re-sync
+        assert pool.finish_update(2, [0]) == [0] and pool.replicas_needing_weights(wait_s=0) == []
+        assert pool.begin_update(None, "between_batches", timeout_s=10) == [0]
+        assert pool.finish_update(3, [0]) == [0]
+
+
+def test_replica_startup_bound_is_a_config_key(tmp_path):
+    """rollout.startup_timeout_s: 300 s unless set, validated, and the bound the run's pool waits for a
+    server with (here a replica_urls server that never answers, given 1 s)."""
+    from megatron_async.config import ConfigError, load_config
+    from megatron_async.rollout.build import start_pool
+
+    assert load_config(None, []).rollout.startup_timeout_s == 300.0
+    with pytest.raises(ConfigError, match=r"key 'rollout.startup_timeout_s' = 0.0: must be > 0"):
+        load_config(None, ["rollout.startup_timeout_s=0"])
+    with stand_in(lambda method, path: (503, {})) as (url, _):  # /health never 200: not answering
+        cfg = load_config(None, [f"rollout.replica_urls=[{url}]", "rollout.token=k", "rollout.startup_timeout_s=1"])
+        t0 = time.monotonic()
+        with pytest.raises(PoolError, match=rf"replica 0 at {url} not answering after 1 s"):
+            start_pool(cfg, tmp_path)
+        assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("server_info, scale_out, lacks", [
+    (None, True, ["vLLM's dev-mode routes (/server_info answered 404: start it with VLLM_SERVER_DEV_MODE=1"]),
+    ({"vllm_config": {"weight_transfer_config": {"backend": "nccl"}}}, True,
+     ["the weight-transfer engine 'mas_cpu' (it runs 'nccl': stock vLLM's engines do not take the fields ours add, "
+      "keep and verify)"]),
+    ({"vllm_config": {"weight_transfer_config": None}}, False,
+     ["the weight-transfer engine 'mas_cpu' (it runs None", f"the token-in route {GENERATE_ROUTE} (--enable-scale-out)"]),
+])
+def test_a_server_started_elsewhere_that_lacks_our_engine_is_refused_at_start(tmp_path, server_info, scale_out, lacks):
+    """rollout.replica_urls: a server without dev mode, with a stock engine or without the token-in
+    route is refused when the pool starts (before any update), naming its URL, each thing it lacks
+    and how to start a compatible one; no update route is called."""
+    with stand_in(lambda method, path: (200, {"weight_version": "0"}), server_info, scale_out) as (url, calls):
+        with pytest.raises(PoolError) as refused:
+            ReplicaPool(spec(tmp_path), urls=[url], key="k", start_timeout_s=10).start()
+    message = str(refused.value)
+    assert message.startswith(f"replica 0 at {url} cannot take this run's weight updates; it lacks "), message
+    assert all(part in message for part in lacks), message
+    assert "megatron-async serve-replica CONFIG --index 0" in message
+    assert {path for _, path, _ in calls} <= {"/health"}, calls
 
 
 # -- real vLLM servers (integration) --------------------------------------------------------------
@@ -437,6 +518,35 @@ def test_killed_replica_loses_no_prompt_and_serves_again_only_with_current_weigh
     records = pool.generate(PROMPTS, Sampling(n=2, max_tokens=8, seed=2))
     assert {r.replica_id for r in records} == {0, 1} and {r.policy_version for r in records} == {v}
     assert max_logprob_diff(pool.held, records) < LOGPROB_TOL
+
+
+@pytest.mark.integration
+def test_a_stock_vllm_server_given_as_a_url_is_refused_at_start_naming_what_it_lacks(models, tmp_path):
+    """A real vLLM server started the way its docs say, without this package: no plugin loaded
+    (VLLM_PLUGINS names none of ours), vLLM's own NCCL engine, dev mode on, no --enable-scale-out,
+    vLLM's own key check. Given as rollout.replica_urls, the pool refuses it at start-up from what
+    the server reports (its /server_info, a 404 for the token-in route) instead of a 500 per bucket."""
+    port = free_port("127.0.0.1")
+    cmd = [*server_entry(), "--model", str(models[0]), "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20), "--enforce-eager",
+           "--no-enable-chunked-prefill", "--weight-transfer-config", '{"backend": "nccl"}']
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": "k", "VLLM_PLUGINS": "none-of-ours"}
+    with open(tmp_path / "stock.log", "wb") as log:
+        server = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                  start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with pytest.raises(PoolError) as refused:
+            ReplicaPool(spec(models[0]), urls=[url], key="k", start_timeout_s=300).start()
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(30)
+    message = str(refused.value)
+    assert message.startswith(f"replica 0 at {url} cannot take this run's weight updates; it lacks "), \
+        (message, (tmp_path / "stock.log").read_text()[-3000:])
+    assert "the weight-transfer engine 'mas_cpu' (it runs 'nccl'" in message, message
+    assert f"the token-in route {GENERATE_ROUTE} (--enable-scale-out)" in message, message
+    assert "megatron-async serve-replica CONFIG --index 0" in message and "dev-mode" not in message, message
 
 
 @pytest.mark.integration

@@ -42,7 +42,8 @@ def start_pool(cfg: Config, model: Path) -> ReplicaPool:
     """The run's replicas serving `model`: servers started here (one process group each), or the
     URLs of servers started elsewhere."""
     r = cfg.rollout
-    common = dict(key=r.token or None, request_timeout_s=r.generate_timeout_s, max_failures=r.max_replica_failures)
+    common = dict(key=r.token or None, start_timeout_s=r.startup_timeout_s, request_timeout_s=r.generate_timeout_s,
+                  max_failures=r.max_replica_failures)
     if urls := replica_urls(cfg):
         return ReplicaPool(replica_spec(cfg, Path(model)), urls=urls, **common).start()
     return ReplicaPool(replica_spec(cfg, Path(model).resolve()), r.num_replicas, host=r.host, base_port=r.base_port,

@@ -39,7 +39,10 @@ request racing a pause, or a pause by another client), and that replica takes no
 marked down and, if started here, restarted in the background (killed as a process group first), up to
 `max_failures` times (then `PoolError`). A restarted replica holds its checkpoint's weights: it
 rejoins dispatch only after the learner pushed the current version to it
-(`replicas_needing_weights()`). While no replica is fresh, prompts wait; every wait is bounded.
+(`replicas_needing_weights()`). That push is a re-sync of its own: the learner's senders still
+hold the group or delta base of its previous process, so a full update leaves out every replica
+that came back from a failure until a re-sync (which has the senders forget it: a whole push
+through a fresh group) opened on it. While no replica is fresh, prompts wait; every wait is bounded.
 """
 from __future__ import annotations
 
@@ -61,12 +64,12 @@ import torch
 
 from megatron_async.config import LOOPBACK_HOSTS
 from megatron_async.rollout.launcher import LocalLauncher, PoolError, free_port
-from megatron_async.rollout.replica import ReplicaClient, ReplicaError, ReplicaSpec, Sampling, auth_headers, parse_version
+from megatron_async.rollout.replica import (GENERATE_ROUTE, ReplicaClient, ReplicaError, ReplicaSpec, Sampling, auth_headers,
+                                            parse_version)
 
 log = logging.getLogger(__name__)
 
 UpdateMode = Literal["between_batches", "during_generation"]
-GENERATE_ROUTE = "/inference/v1/generate"
 RETRY_AFTER_S = 1.0  # a replica that answered 503 (paused) but is alive takes no new request for this long
 
 
@@ -107,6 +110,9 @@ class _Replica:
         self.failures = 0
         self.requests = 0
         self.restarting = False
+        # up again after a failure: what the learner's senders keep for it (a group, a delta base)
+        # belongs to its previous process, so only a re-sync (which forgets that) may update it
+        self.needs_resync = False
         self.error = ""  # why its last restart or reconnect failed
         self.retry_at = 0.0  # time.monotonic() before which it takes no new request (it answered 503)
 
@@ -198,12 +204,13 @@ class ReplicaPool:
         for rep in self._replicas:
             rep.client.close()
 
-    def _came_up(self, rep: _Replica, rejoined: bool = False) -> None:
+    def _came_up(self, rep: _Replica, recovered: bool = False) -> None:
         """Wait until `rep` answers, then label its weights with the checkpoint's version.
 
-        `rejoined`: a server started elsewhere answering again after a failure. If it restarted
-        (no version set), it holds whatever its launcher loaded (e.g. the base model, not
-        `spec.model`): not fresh until the learner pushed the current weights to it."""
+        `recovered`: up again after a failure (restarted here, or a server started elsewhere
+        answering again): it waits for a re-sync (`needs_resync`, `begin_update`). A server started
+        elsewhere that restarted (no version set) holds whatever its launcher loaded (e.g. the base
+        model, not `spec.model`): not fresh until the learner pushed the current weights to it."""
         if self._launcher is not None:
             rep.pid = self._launcher.wait_ready(rep.id, rep.client)
         else:
@@ -213,13 +220,20 @@ class ReplicaPool:
                     raise PoolError(f"replica {rep.id} at {rep.url} not answering after {self.start_timeout_s:.0f} s"
                                     if self._started else "pool stopped")
                 time.sleep(1.0)
+            if missing := rep.client.missing_for(self.spec.weight_backend):
+                raise PoolError(
+                    f"replica {rep.id} at {rep.url} cannot take this run's weight updates; it lacks "
+                    f"{'; '.join(missing)}. Start a compatible one with `megatron-async serve-replica CONFIG --index "
+                    f"{rep.id}` (vLLM with this package installed: its plugin's engines, dev mode, the scale-out route)")
         version = rep.client.version(default=-1)
         restarted = version < 0
         if restarted:  # a fresh server: its weights are the checkpoint's
             rep.client.set_version(self.spec.initial_version)
             version = self.spec.initial_version
+        elsewhere_restarted = recovered and restarted and self._launcher is None
         with self._changed:
-            rep.version, rep.weights_ok, rep.up, rep.restarting = version, not (rejoined and restarted), True, False
+            rep.version, rep.weights_ok, rep.up, rep.restarting = version, not elsewhere_restarted, True, False
+            rep.needs_resync = recovered
             self._changed.notify_all()
 
     def _failed(self, rep: _Replica, reason: str) -> None:
@@ -244,7 +258,7 @@ class ReplicaPool:
         try:
             self._launcher.kill(rep.id)
             self._launcher.start(rep.id, rep.port)
-            self._came_up(rep)
+            self._came_up(rep, recovered=True)
         except BaseException as e:  # noqa: BLE001 - counted as one more failure
             with self._lock:
                 rep.restarting, rep.failures = False, max(rep.failures, self.max_failures + 1)
@@ -252,7 +266,7 @@ class ReplicaPool:
 
     def _reconnect(self, rep: _Replica) -> None:
         try:
-            self._came_up(rep, rejoined=True)
+            self._came_up(rep, recovered=True)
         except BaseException as e:  # noqa: BLE001
             with self._lock:
                 rep.restarting, rep.error = False, f"{rep.url} did not answer again: {e}"
@@ -287,7 +301,8 @@ class ReplicaPool:
         return [{"replica_id": r.id, "up": r.up, "version": r.version, "weights_ok": r.weights_ok} for r in self._replicas]
 
     def replicas_needing_weights(self, wait_s: float | None = None) -> list[ReplicaInfo]:
-        """Replicas that are up but behind the current version or hold weights of a failed update.
+        """Replicas that are up but behind the current version, hold weights of a failed update, or
+        came back from a failure (`needs_resync`): each needs a re-sync (`begin_update` with its id).
 
         Waits (up to `wait_s`, default the start timeout) for restarting replicas to come up,
         so that the learner can push the current weights to them.
@@ -299,7 +314,7 @@ class ReplicaPool:
                 self._changed.wait(0.5)
         self._check_budget()
         return [ReplicaInfo(r.id, r.url, r.pid, r.version, r.weights_ok) for r in self._replicas
-                if r.up and (not r.weights_ok or r.version < self.current_version)]
+                if r.up and (r.needs_resync or not r.weights_ok or r.version < self.current_version)]
 
     def up(self, replica_ids: Sequence[int]) -> list[int]:
         """Those of `replica_ids` that are up (answering, not restarting)."""
@@ -321,6 +336,11 @@ class ReplicaPool:
         running `generate` to return; new ones wait until `finish_update`. (The producer already
         pushes only between batches; this keeps the pool's own guarantee.) A re-sync of restarted
         replicas never waits: they serve nothing until it ends.
+
+        A full update leaves out the replicas that came back from a failure (`needs_resync`): the
+        senders still hold the group or delta base of their previous process, and only a re-sync
+        (`replica_ids` given: weights/update.py has the senders `forget` them first) is sent whole
+        through a fresh group. A re-sync that opens on a replica clears its flag.
         """
         deadline = time.monotonic() + timeout_s
         with self._changed:
@@ -329,7 +349,8 @@ class ReplicaPool:
                     if not self._changed.wait(max(0.0, deadline - time.monotonic())):
                         raise TimeoutError(f"weight update: generation still running after {timeout_s:.0f} s")
             self._update_open = True
-            targets = [r for r in self._replicas if r.up and (replica_ids is None or r.id in replica_ids)]
+            targets = [r for r in self._replicas if r.up and (
+                not r.needs_resync if replica_ids is None else r.id in replica_ids)]
         pause = "wait" if mode == "between_batches" else "keep"
 
         def open_one(rep: _Replica) -> None:
@@ -342,6 +363,9 @@ class ReplicaPool:
                 except (ConnectionError, TimeoutError, ReplicaError) as e:
                     log.warning("replica %d: /resume after a failed /start_weight_update failed too: %s", rep.id, e)
                 raise
+            if replica_ids is not None:
+                with self._lock:
+                    rep.needs_resync = False
 
         return self._on_each(targets, open_one, "begin")
 

@@ -32,6 +32,7 @@ import httpx
 from megatron_async.weights.vllm_plugin import BACKEND
 
 AUTH_MIDDLEWARE = "megatron_async.rollout.auth.RequireKey"
+GENERATE_ROUTE = "/inference/v1/generate"  # token ids in, completions with token ids and version spans out
 
 
 @dataclass
@@ -214,6 +215,35 @@ class ReplicaClient:
     def finish_weight_update(self, version: int | None) -> None:
         """Close the update; with `version`, publish it as the replica's weight_version."""
         self.request("POST", "/finish_weight_update", json=None if version is None else {"weight_version": str(version)})
+
+    def missing_for(self, backend: str) -> list[str]:
+        """What this server (one started elsewhere) lacks to take this run's requests and weight
+        updates, from what it reports itself ([] when nothing): vLLM's dev-mode routes (the
+        weight-transfer phases are mounted only there; `/server_info` is one of them), our engine
+        `backend` in its weight-transfer config (stock vLLM's engines do not know the fields ours
+        add, `keep` and `verify`), and the token-in route (`--enable-scale-out`: a GET of that
+        POST route answers 405 where it is mounted, 404 where not)."""
+        missing = []
+        try:  # NOTE: its first answer collects the server's environment (pip, compilers): seconds, once
+            info = self.request("GET", "/server_info", params={"config_format": "json"}, timeout_s=max(self.timeout_s, 120.0))
+        except ReplicaError as e:
+            if e.status != 404:
+                raise
+            missing.append("vLLM's dev-mode routes (/server_info answered 404: start it with VLLM_SERVER_DEV_MODE=1; "
+                           "the weight-transfer routes are mounted only then)")
+        else:
+            transfer = (info.get("vllm_config") or {}).get("weight_transfer_config") or {}
+            if transfer.get("backend") != backend:
+                missing.append(f"the weight-transfer engine {backend!r} (it runs {transfer.get('backend')!r}: stock vLLM's "
+                               f"engines do not take the fields ours add, keep and verify)")
+        try:
+            self.request("GET", GENERATE_ROUTE)
+        except ReplicaError as e:
+            if e.status == 404:
+                missing.append(f"the token-in route {GENERATE_ROUTE} (--enable-scale-out)")
+            elif e.status != 405:
+                raise
+        return missing
 
     def world_size(self) -> int:
         """The replica's workers that join its weight-transfer group: TP x PP (our replicas run one

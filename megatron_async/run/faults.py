@@ -9,6 +9,10 @@ recovery paths (not mocks):
                                               (a numerical blow-up; the step must be skipped)
     MEGATRON_ASYNC_KILL_REPLICA_AT_BATCH=2     replica 0 is SIGKILLed shortly after generation of
                                               batch 2 starts (a replica dying mid-generation)
+    MEGATRON_ASYNC_RESTART_REPLICA_AT_STEP=1   before learner step 1 trains, once every batch the
+                                              replicas' weights serve is generated, replica 0 is
+                                              SIGKILLed and the pool has restarted it (a replica
+                                              restarted between two pushes while the learner works)
 
 Unset (the default) they cost one dictionary lookup per step.
 """
@@ -17,10 +21,16 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for the annotation only: rollout_state imports this module
+    from megatron_async.run.rollout_state import RolloutState
 
 CRASH_AFTER_CHECKPOINT = "MEGATRON_ASYNC_CRASH_AFTER_CHECKPOINT"
 NAN_LOSS_STEPS = "MEGATRON_ASYNC_NAN_LOSS_STEPS"
 KILL_REPLICA_AT_BATCH = "MEGATRON_ASYNC_KILL_REPLICA_AT_BATCH"
+RESTART_REPLICA_AT_STEP = "MEGATRON_ASYNC_RESTART_REPLICA_AT_STEP"
 
 
 def crash_after_checkpoint(step: int) -> None:
@@ -44,3 +54,29 @@ def kill_replica_during(batch_index: int, replica_pgid: int, delay_s: float = 0.
     """SIGKILL replica 0's whole process group (its vLLM server, engine core and workers)."""
     if os.environ.get(KILL_REPLICA_AT_BATCH) == str(batch_index):
         threading.Timer(delay_s, os.killpg, (replica_pgid, signal.SIGKILL)).start()
+
+
+def restart_replica_at(step: int, rollout: RolloutState | None) -> None:
+    """Rank 0 (`rollout` is None elsewhere): SIGKILL replica 0's process group once no batch is left
+    to generate with the weights it holds, and wait (bounded by the pool's start timeout) until the
+    pool has noticed and restarted it. The learner's next wait and push then meet a replica whose
+    previous process the weight senders knew."""
+    if rollout is None or os.environ.get(RESTART_REPLICA_AT_STEP) != str(step):
+        return
+    pool, producer = rollout.pool, rollout.producer
+    deadline = time.monotonic() + pool.start_timeout_s
+
+    def within_bound(what: str) -> None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{RESTART_REPLICA_AT_STEP}={step}: {what} after {pool.start_timeout_s:.0f} s")
+
+    while not producer.old_weights_done(step):
+        within_bound("batches of the current weights still generating")
+        producer.wait(0.5)
+    killed = pool.pids()[0]
+    os.killpg(killed, signal.SIGKILL)
+    while pool.pids()[0] == killed or not pool.up([0]):
+        within_bound("replica 0 not restarted")
+        pool.health_check()  # notices the dead server; the pool restarts it in the background
+        time.sleep(0.5)
+

@@ -124,6 +124,7 @@ class Trainer:
             with timer("step_wall"):
                 with timer("learner_idle"):
                     batch, updates = self._next_batch(step)
+                faults.restart_replica_at(step, self.rollout)
                 with timer("train"):
                     metrics = self.learner.step(batch, step, updates)
                 with timer("learner_wait_old"):  # the old weights serve batches up to step + max_lag
@@ -169,10 +170,10 @@ class Trainer:
         while True:
             command = None
             if self.rollout is not None:
-                if ready():
+                if stale := [r.replica_id for r in self.rollout.pool.replicas_needing_weights(wait_s=0)]:
+                    command = ("resync", stale)  # before `ready`: a full push leaves restarted replicas out
+                elif ready():
                     command = ("ready", [])
-                elif stale := [r.replica_id for r in self.rollout.pool.replicas_needing_weights()]:
-                    command = ("resync", stale)
                 else:
                     self.rollout.producer.wait(1.0)
                     continue
