@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Download, where PyPI is reachable, the wheels `launch/gpu_check.sh` installs offline on the lent GPU
-# machine (Python 3.12, torch 2.11 + transformers + pytest preinstalled; no megatron-core): into
-# .whl/ (git-ignored; carried to the machine with the working tree, 64 MiB at most in all).
+# Step 1 of the GPU check, the step before `launch/gpu_check.sh`: download, where PyPI is reachable,
+# the wheels gpu_check.sh installs offline on the lent GPU machine (Python 3.12, torch 2.11 +
+# transformers + pytest preinstalled; no megatron-core, no network): into .whl/ (git-ignored; carried
+# to the machine with the working tree, 64 MiB at most in all). Without them the check's learner
+# phases fail for want of megatron-core.
 #
-#   bash launch/fetch_gpu_wheels.sh            # then: bash launch/gpu_check.sh (on the GPU machine)
+#   bash launch/fetch_gpu_wheels.sh            # step 1, here
+#   bash launch/gpu_check.sh                   # step 2, on the GPU machine: one archive + one summary in $OUT
 #
 # --no-deps: only what the machine lacks and the checks import. megatron-core 0.16.1 itself needs
 # torch, numpy and packaging, all there already. Not fetched, because they do not fit: vLLM (336 MB,

@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
 # One device check for a CUDA machine, offline, in under 8 minutes: a JSON file per phase, each
-# phase under its own `timeout`, each file written as soon as its phase ends.
+# phase under its own `timeout`, all of them handed back as ONE archive and ONE summary file.
 #
-#   bash launch/fetch_gpu_wheels.sh               # once, where PyPI is reachable: wheels into .whl/ (ignored)
-#   bash launch/gpu_check.sh [OUT_DIR]            # on the GPU machine (OUT_DIR default: $OUT, else runs/gpu_check)
+# Step 1, before this script, once, where PyPI is reachable (the GPU machine has no network):
+#   bash launch/fetch_gpu_wheels.sh               # megatron-core's wheel into .whl/ (ignored, carried along)
+# Step 2, on the GPU machine:
+#   bash launch/gpu_check.sh [OUT_DIR]            # OUT_DIR default: $OUT, else runs/gpu_check
 #   bash launch/gpu_check.sh --dry-run OUT_DIR    # any machine, CPU is fine: every phase's code path at tiny
 #                                                 # sizes (tests/test_gpu_check.py runs it in CI)
+#
+# What comes back: OUT_DIR holds exactly two files, gpu_check.tar.gz (every file the phases wrote:
+# <phase>.json, per-test reports, benchmark folders, install.log, exit_codes.txt, under gpu_check/)
+# and summary.json (each phase's status, reason or error, seconds, exit code; "pending" for one not
+# ended), both rewritten atomically after every phase (tools/gpu_check_pack.py): the lent machine
+# hands back at most 8 files of $OUT, and a run cut short hands back the phases that ended. The
+# phases write into GPU_CHECK_WORK (default: a fresh folder under $TMPDIR), never into OUT_DIR.
+#   tar -xzf OUT_DIR/gpu_check.tar.gz             # -> gpu_check/env.json, gpu_check/gpu_tests.json, ...
 #
 # Written for the lent machine: Python 3.12 + torch 2.11 (CUDA) + transformers + pytest preinstalled,
 # no vLLM, TE, megatron-core or mlflow, no network. What it lacks comes from .whl/ (carried in with
@@ -16,7 +26,7 @@
 # subprocess (tests/dist prepends to PYTHONPATH instead of replacing it). The project itself is
 # used from the working tree (PYTHONPATH), not installed.
 #
-# Phases (tools/gpu_check.py; OUT_DIR/<phase>.json says ok / skipped + reason / failed + error):
+# Phases (tools/gpu_check.py; gpu_check/<phase>.json says ok / skipped + reason / failed + error):
 #   env            GPU, driver, torch, CUDA, cuDNN, NCCL versions; packages and where they come from;
 #                  torch.compile's toolchain (a C compiler, Python.h) and a one-line torch.compile smoke
 #   fork_probe     does torch.cuda.is_available() poison a later fork (vLLM forks workers), with and
@@ -35,6 +45,7 @@
 #   vllm           vLLM tokens/s on the GPU (skipped without vLLM; the NCCL weight sync is a gpu test)
 #   te             the learner benchmark with the Transformer Engine spec (skipped without TE)
 # Exit status: 0 when no phase failed (skips are fine), 1 otherwise; OUT_DIR/summary.json lists all.
+# (No `set -e`: a failing phase must not stop the ones after it, nor the packing.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -43,6 +54,12 @@ if [[ ${1:-} == --dry-run ]]; then DRY=(--dry-run); shift; fi
 OUT_DIR=${1:-${OUT:-runs/gpu_check}}
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
+WORK_DIR=${GPU_CHECK_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")}
+mkdir -p "$WORK_DIR"
+WORK_DIR=$(cd "$WORK_DIR" && pwd)
+[[ $WORK_DIR == "$OUT_DIR" || $WORK_DIR == "$OUT_DIR"/* ]] && { echo "[gpu_check] GPU_CHECK_WORK must be outside $OUT_DIR" >&2; exit 2; }
+rm -f "$OUT_DIR/gpu_check.tar.gz" "$OUT_DIR/summary.json"
+echo "[gpu_check] phases write into $WORK_DIR; packed into $OUT_DIR/gpu_check.tar.gz + summary.json after each"
 BUDGET_S=${GPU_CHECK_BUDGET_S:-430}  # the first seven phases together; vllm and te only run where installed
 # A dry run checks code paths, not speed: its limits stretch so that a busy CI machine does not time out.
 SCALE=${GPU_CHECK_TIMEOUT_SCALE:-$(( ${#DRY[@]} ? 4 : 1 ))}
@@ -65,45 +82,50 @@ wheels=(.whl/*.whl)
 if [[ ${#wheels[@]} -gt 0 && ${#DRY[@]} -eq 0 ]]; then  # (a dry run uses the venv's packages)
   echo "[gpu_check] installing ${#wheels[@]} wheels from .whl/ into .gpu_site (no index, no deps)"
   rm -rf .gpu_site
-  if "$PY" -m pip install -q --no-index --no-deps --target .gpu_site "${wheels[@]}" > "$OUT_DIR/install.log" 2>&1; then
+  if "$PY" -m pip install -q --no-index --no-deps --target .gpu_site "${wheels[@]}" > "$WORK_DIR/install.log" 2>&1; then
     export PYTHONPATH="$REPO/.gpu_site:$PYTHONPATH"
-  elif "$PY" - .gpu_site "${wheels[@]}" >> "$OUT_DIR/install.log" 2>&1 <<'PY'
+  elif "$PY" - .gpu_site "${wheels[@]}" >> "$WORK_DIR/install.log" 2>&1 <<'PY'
 import sys, zipfile  # no pip: a wheel is a zip archive of its site-packages files
 for wheel in sys.argv[2:]:
     zipfile.ZipFile(wheel).extractall(sys.argv[1])
 PY
   then
-    echo "[gpu_check] pip failed (see $OUT_DIR/install.log): wheels unpacked into .gpu_site instead"
+    echo "[gpu_check] pip failed (see install.log): wheels unpacked into .gpu_site instead"
     export PYTHONPATH="$REPO/.gpu_site:$PYTHONPATH"
   else
-    echo "[gpu_check] wheel install failed (see $OUT_DIR/install.log); going on with what is installed"
+    echo "[gpu_check] wheel install failed (see install.log); going on with what is installed"
   fi
 fi
 
 start=$(date +%s)
 failed=0
-rm -f "$OUT_DIR/exit_codes.txt"
+rm -f "$WORK_DIR/exit_codes.txt"
+pack() {  # everything under WORK_DIR -> OUT_DIR/gpu_check.tar.gz + OUT_DIR/summary.json
+  "$PY" tools/gpu_check_pack.py --work "$WORK_DIR" --out "$OUT_DIR" --seconds "$(( $(date +%s) - start ))"
+}
 run_phase() {  # name, seconds
   local name=$1 limit=$(( $2 * SCALE )) left
   left=$(( BUDGET_S - ($(date +%s) - start) ))
   if [[ $name == vllm || $name == te ]]; then left=$limit; fi  # extra time, only where they run at all
   (( limit > left )) && limit=$left
-  rm -f "$OUT_DIR/$name.json"
+  rm -f "$WORK_DIR/$name.json"
   if (( limit < 10 )); then
-    printf '{"phase": "%s", "status": "skipped", "reason": "no time left in the %s s budget"}\n' "$name" "$BUDGET_S" > "$OUT_DIR/$name.json"
+    printf '{"phase": "%s", "status": "skipped", "reason": "no time left in the %s s budget"}\n' "$name" "$BUDGET_S" > "$WORK_DIR/$name.json"
     echo "[gpu_check] $name: skipped (no time left)"
+    pack > /dev/null || echo "[gpu_check] packing after $name failed"
     return
   fi
-  timeout --kill-after=10 "$limit" "$PY" tools/gpu_check.py "$name" --out "$OUT_DIR" --budget $(( limit - 8 )) "${DRY[@]}"
+  timeout --kill-after=10 "$limit" "$PY" tools/gpu_check.py "$name" --out "$WORK_DIR" --budget $(( limit - 8 )) "${DRY[@]}"
   local rc=$?
-  if [[ ! -f $OUT_DIR/$name.json ]]; then
+  if [[ ! -f $WORK_DIR/$name.json ]]; then
     local why="exited $rc without writing its JSON"
     (( rc == 124 || rc == 137 )) && why="timed out after $limit s"
-    printf '{"phase": "%s", "status": "failed", "error": "%s"}\n' "$name" "$why" > "$OUT_DIR/$name.json"
+    printf '{"phase": "%s", "status": "failed", "error": "%s"}\n' "$name" "$why" > "$WORK_DIR/$name.json"
     echo "[gpu_check] $name: failed ($why)"
   fi
-  echo "$name $rc" >> "$OUT_DIR/exit_codes.txt"
+  echo "$name $rc" >> "$WORK_DIR/exit_codes.txt"
   if (( rc != 0 )); then failed=1; echo "[gpu_check] $name exited $rc"; fi
+  pack > /dev/null || echo "[gpu_check] packing after $name failed"
 }
 
 run_phase env 60  # 45 s of it for the torch.compile smoke (a first Triton compile)
@@ -116,21 +138,5 @@ run_phase batch_prep 25
 run_phase vllm 240
 run_phase te 120
 
-"$PY" - "$OUT_DIR" "$(( $(date +%s) - start ))" <<'PY'
-import json, sys
-from pathlib import Path
-out, seconds = Path(sys.argv[1]), int(sys.argv[2])
-phases = ["env", "fork_probe", "gpu_tests", "learner_bench", "weights_bench", "weight_wire", "batch_prep", "vllm", "te"]
-codes = dict(line.split() for line in (out / "exit_codes.txt").read_text().splitlines() if line.strip())
-summary = {"seconds": seconds, "phases": {}}
-for p in phases:
-    try:
-        r = json.loads((out / f"{p}.json").read_text())
-    except (OSError, ValueError) as e:
-        r = {"status": "failed", "error": f"unreadable: {e}"}
-    summary["phases"][p] = {**{k: r[k] for k in ("status", "reason", "error", "seconds") if k in r},
-                            "exit_code": int(codes[p]) if p in codes else None}
-(out / "summary.json").write_text(json.dumps(summary, indent=1))
-print(json.dumps(summary))
-PY
+pack || failed=1  # prints the summary
 exit $failed

@@ -1,31 +1,48 @@
 """`launch/gpu_check.sh --dry-run` on CPU: every phase of the GPU device check runs its code path at
 tiny sizes, as on the lent GPU machine (mlflow, vLLM, TE and other packages hidden by
-tests/hide_modules), and says ok or skipped with a reason. Keeps the script from rotting between
-GPU runs; ~40-60 s on a quiet 2-core machine. Also the GPU tests' worker modes that do not need
-CUDA (checkpoint round trip, HF export) on CPU.
+tests/hide_modules), and says ok or skipped with a reason; what it hands back is one archive and
+one summary file (tools/gpu_check_pack.py). Keeps the script from rotting between GPU runs; ~40-60 s
+on a quiet 2-core machine. Also the GPU tests' worker modes that do not need CUDA (checkpoint round
+trip, HF export) on CPU, and the packing alone (no process).
 """
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
+import tarfile
 import textwrap
 
 import pytest
 
 from tests.dist import REPO, run_worker
 
-pytestmark = pytest.mark.integration  # starts the script and its phase processes (tests/conftest.py tiers)
-
 PHASES = ("env", "fork_probe", "gpu_tests", "learner_bench", "weights_bench", "weight_wire", "batch_prep", "vllm", "te")
 
 
+def _tool(name: str):
+    loaded = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.integration  # starts the script and its phase processes (tests/conftest.py tiers)
 def test_dry_run_walks_every_phase(tmp_path):
-    out = tmp_path / "gpu_check"
+    out, work = tmp_path / "gpu_check", tmp_path / "work"
     proc = subprocess.run(["bash", "launch/gpu_check.sh", "--dry-run", str(out)], cwd=REPO, capture_output=True,
-                          text=True, timeout=800)
+                          text=True, timeout=800, env={**os.environ, "GPU_CHECK_WORK": str(work)})
     tail = (proc.stdout + proc.stderr)[-4000:]
-    results = {p: json.loads((out / f"{p}.json").read_text()) for p in PHASES if (out / f"{p}.json").exists()}
+    # handed back: exactly one archive and one summary (the lent machine returns at most 8 files)
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.tar.gz", "summary.json"], tail
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    unpacked = tmp_path / "unpacked" / "gpu_check"
+    packed = sorted(str(p.relative_to(unpacked)) for p in unpacked.rglob("*") if p.is_file())
+    assert packed == sorted(str(p.relative_to(work)) for p in work.rglob("*") if p.is_file()), tail  # all of it
+    assert len(packed) > 8 and "gpu_tests.jsonl" in packed and "exit_codes.txt" in packed, packed
+    results = {p: json.loads((unpacked / f"{p}.json").read_text()) for p in PHASES if (unpacked / f"{p}.json").exists()}
     assert set(results) == set(PHASES), f"phases without JSON: {set(PHASES) - set(results)}\n{tail}"
     for phase, r in results.items():
         assert r["status"] in ("ok", "skipped"), f"{phase}: {r.get('error')}\n{r.get('traceback', '')}\n{tail}"
@@ -33,7 +50,10 @@ def test_dry_run_walks_every_phase(tmp_path):
             assert r.get("reason"), f"{phase} skipped without a reason"
     assert proc.returncode == 0, tail
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary["phases"]) == set(PHASES)
+    assert summary["complete"] and set(summary["phases"]) == set(PHASES)
+    assert {p: s["status"] for p, s in summary["phases"].items()} == {p: r["status"] for p, r in results.items()}
+    assert all(s["exit_code"] == 0 for s in summary["phases"].values()), summary
+    assert summary["archive_members"] == [f"gpu_check/{m}" for m in sorted(packed)]
 
     env = results["env"]
     assert env["importable"]["mlflow"] is False and env["importable"]["vllm"] is False  # as on the GPU machine
@@ -60,6 +80,40 @@ def test_dry_run_walks_every_phase(tmp_path):
     assert results["te"]["status"] == "skipped" and "Transformer Engine" in results["te"]["reason"]
 
 
+def test_each_pack_hands_back_one_archive_and_one_summary_of_what_ended(tmp_path):
+    """tools/gpu_check_pack.py as gpu_check.sh calls it after each phase: OUT holds exactly the
+    archive of every file under WORK (folders too) and the summary, replaced as phases end; a phase
+    without its JSON yet is "pending", an unreadable one "failed", exit codes from exit_codes.txt."""
+    pack = _tool("gpu_check_pack").pack
+    work, out = tmp_path / "work", tmp_path / "out"
+    (work / "learner_bench").mkdir(parents=True)
+    (work / "env.json").write_text(json.dumps({"phase": "env", "status": "ok", "seconds": 3.5}))
+    (work / "install.log").write_text("installed 1 wheel\n")
+    (work / "exit_codes.txt").write_text("env 0\n")
+    first = pack(work, out, seconds=4)
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.tar.gz", "summary.json"]
+    assert first["phases"]["env"] == {"status": "ok", "seconds": 3.5, "exit_code": 0}
+    assert first["phases"]["gpu_tests"] == {"status": "pending"} and not first["complete"]
+
+    (work / "gpu_tests.json").write_text(json.dumps({"phase": "gpu_tests", "status": "failed", "error": "2 failed"}))
+    (work / "gpu_tests.jsonl").write_text('{"selected": []}\n')
+    (work / "learner_bench" / "learner.json").write_text("{}")
+    (work / "fork_probe.json").write_text("{cut")
+    (work / "exit_codes.txt").write_text("env 0\nfork_probe 137\ngpu_tests 1\n")
+    second = pack(work, out, seconds=90)
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.tar.gz", "summary.json"]
+    assert json.loads((out / "summary.json").read_text()) == second
+    assert second["seconds"] == 90 and second["phases"]["gpu_tests"] == {"status": "failed", "error": "2 failed",
+                                                                           "exit_code": 1}
+    assert second["phases"]["fork_probe"]["status"] == "failed" and second["phases"]["fork_probe"]["exit_code"] == 137
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        assert sorted(tar.getnames()) == second["archive_members"] == [
+            "gpu_check/env.json", "gpu_check/exit_codes.txt", "gpu_check/fork_probe.json", "gpu_check/gpu_tests.json",
+            "gpu_check/gpu_tests.jsonl", "gpu_check/install.log", "gpu_check/learner_bench/learner.json"]
+        assert tar.extractfile("gpu_check/gpu_tests.json").read() == (work / "gpu_tests.json").read_bytes()
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("mode", ["checkpoint", "export"])
 def test_gpu_worker_modes_run_on_cpu(tiny_ckpts, tmp_path, mode):
     """tests/dist/gpu_worker.py's checkpoint and export modes (run on CUDA by tests/test_gpu_learner.py)
@@ -76,13 +130,7 @@ def test_gpu_worker_modes_run_on_cpu(tiny_ckpts, tmp_path, mode):
         assert r["config_dtype"] == "float32" and r["logit_max_diff"] < 1e-4
 
 
-def _gpu_check_module():
-    loaded = importlib.util.spec_from_file_location("gpu_check", REPO / "tools" / "gpu_check.py")
-    module = importlib.util.module_from_spec(loaded)
-    loaded.loader.exec_module(module)
-    return module
-
-
+@pytest.mark.integration
 def test_gpu_tests_cut_short_keep_what_finished(tmp_path):
     """The gpu_tests phase's pytest run, killed by its budget in the middle of a test, still
     reports the tests that ended before (per-test report, tools/gpu_check_report.py) and names the
@@ -113,7 +161,7 @@ def test_gpu_tests_cut_short_keep_what_finished(tmp_path):
         def test_e_hangs():
             threading.Event().wait()  # until the budget kills pytest
     """))
-    out = _gpu_check_module()._pytest_gpu([str(tests)], tmp_path / "report.jsonl", 30.0, {})
+    out = _tool("gpu_check")._pytest_gpu([str(tests)], tmp_path / "report.jsonl", 30.0, {})
     outcomes = {t["test"].split("::")[1]: t["outcome"] for t in out["tests"]}
     assert out["rc"] is None and "pytest killed after 30 s" in out["cut_short"], out["pytest_tail"]
     assert outcomes == {"test_a_passes": "passed", "test_b_fails": "failed", "test_c_skips": "skipped",
