@@ -33,3 +33,14 @@ def test_every_module_has_its_row_in_docs_layout():
 def test_every_row_of_docs_layout_names_a_module_that_exists():
     gone = sorted(r for r in layout_rows() if not (PACKAGE / r).exists())
     assert not gone, f"docs/layout.md has rows for modules that do not exist: {', '.join(gone)}"
+
+
+README_MAX_LINES = 120  # the README is a user's guide; measurement history lives in docs/measurements.md
+
+
+def test_readme_is_a_short_guide_whose_links_resolve():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= README_MAX_LINES, f"README.md has {len(readme.splitlines())} lines"
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    broken = sorted({link for link in links if "://" not in link and not (REPO / link).exists()})
+    assert not broken, f"README.md links to missing files: {', '.join(broken)}"
