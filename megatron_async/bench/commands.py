@@ -4,6 +4,7 @@
     megatron-async bench sweep configs/cpu_tiny.yaml [overrides] --out-dir runs/bench_sweep
     megatron-async bench rollout [bench/rollout.py arguments]   # replica start-up, tokens/s, sync seconds
     megatron-async bench learner [bench/learner.py arguments]   # our learner step vs plain PyTorch
+    megatron-async bench lm-head [CHUNK_MB ...]                 # the LM head alone, whole vs chunked
 
 `async`: the same config, seeds and steps are trained with rollout.max_lag=0 (synchronous
 baseline) and max_lag=1 (one-step off-policy), each as a subprocess `python -m megatron_async
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib
 import io
 import json
 import os
@@ -51,7 +53,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from megatron_async.bench import report
-from megatron_async.bench import rollout as bench_rollout
 from megatron_async.bench.contention import run_contention
 from megatron_async.cluster.placement import cpu_plan
 from megatron_async.config import ConfigError, load_config
@@ -563,17 +564,22 @@ def build_parser() -> argparse.ArgumentParser:
                                    "arguments follow)", add_help=False)
     sub.add_parser("learner", help="our learner step vs a plain PyTorch step of the same batch (bench/learner.py)",
                    add_help=False)
+    sub.add_parser("lm-head", help="the LM head's logprobs alone, whole against chunked (bench/lm_head.py; "
+                                   "chunk sizes in MB follow)", add_help=False)
     return p
+
+
+# Subcommands that parse their own arguments and run in this process, imported only when asked for:
+# bench.learner and bench.lm_head import megatron-core, which async and sweep (they only start
+# `megatron-async train` subprocesses) never need.
+OWN_ARGUMENTS = {"rollout": "megatron_async.bench.rollout", "learner": "megatron_async.bench.learner",
+                 "lm-head": "megatron_async.bench.lm_head"}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "rollout":
-        return bench_rollout.main(argv[1:])
-    if argv and argv[0] == "learner":  # imported here: megatron-core loads only for the subcommand that uses it
-        from megatron_async.bench import learner as bench_learner
-
-        return bench_learner.main(argv[1:])
+    if argv and argv[0] in OWN_ARGUMENTS:
+        return importlib.import_module(OWN_ARGUMENTS[argv[0]]).main(argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv
     if args.what == "sweep" and not args.full:

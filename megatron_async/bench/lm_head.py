@@ -1,6 +1,6 @@
-"""The LM head's logprobs, whole against chunked (`trainer.logits_chunk_mb`), alone, at SmolLM2's size.
+"""`megatron-async bench lm-head`: the LM head's logprobs, whole against chunked (`trainer.logits_chunk_mb`), alone, at SmolLM2's size.
 
-    taskset -c 1 .venv/bin/python tools/bench_lm_head.py [CHUNK_MB ...]      # default: 8 16 31 0
+    taskset -c 1 megatron-async bench lm-head [CHUNK_MB ...]      # default: 8 16 31 0
 
 `learner.logprobs.token_logprobs` on random hidden states [8, 216, 576] (a SmolLM2 micro batch of 8
 rows: 120 prompt + 96 completion tokens) with a 49,152 x 576 head, one TP rank, one torch thread,
@@ -8,19 +8,17 @@ temperature 0.7: the forward-only pass (reference / old-policy logprobs) and the
 (forward and backward); per chunk size (0 = whole), the best of 3 in seconds and the minor page
 faults per pass (`getrusage`). One JSON line per case.
 """
+from __future__ import annotations
+
 import json
 import resource
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_async.learner.logprobs import token_logprobs  # noqa: E402
+from megatron_async.learner.logprobs import token_logprobs
 
 ROWS, POSITIONS, HIDDEN, VOCAB = 8, 216, 576, 49152
 
@@ -67,15 +65,13 @@ def measure(chunk_mb: int, grad: bool, weight: torch.Tensor, ids: torch.Tensor, 
             "minor_faults_per_pass": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) // reps}
 
 
-def main() -> None:
+def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     one_tp_rank()
     weight = torch.randn(VOCAB, HIDDEN) * 0.02
     ids = torch.randint(0, VOCAB, (ROWS, POSITIONS))
     for grad in (False, True):
-        for chunk_mb in [int(a) for a in sys.argv[1:]] or [8, 16, 31, 0]:
+        for chunk_mb in [int(a) for a in argv] or [8, 16, 31, 0]:
             print(json.dumps(measure(chunk_mb, grad, weight, ids)), flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    dist.destroy_process_group()
+    return 0
