@@ -59,6 +59,7 @@ if [[ $NPROC_PER_NODE == 0 ]]; then
     # on to every server), or let srun --wait end them (the SLURM scripts).
     pids=()
     trap 'kill -TERM "${pids[@]}" 2>/dev/null' INT TERM
+    trap '' USR1  # the learner's save-and-stop warning: the servers (which inherit this) serve on until it closes
     for ((i = 0; i < NUM_REPLICAS; i++)); do
         "${VENV:-.venv}/bin/megatron-async" serve-replica "${ARGS[@]}" --index "$i" &
         pids+=($!)
@@ -68,6 +69,9 @@ if [[ $NPROC_PER_NODE == 0 ]]; then
     wait  # after a signal: until every server has stopped
     exit "$rc"
 fi
-exec "${VENV:-.venv}/bin/python" -m torch.distributed.run --nnodes="$TORCHRUN_NNODES" --node-rank="$TORCHRUN_NODE_RANK" \
+# torchrun forwards SIGUSR1 too (SLURM's warning: each rank saves a checkpoint and exits 75,
+# run/stop.py) and waits run.stop_deadline_s (240 s by default) + 60 s for that before it kills them.
+exec "${VENV:-.venv}/bin/python" -m torch.distributed.run --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
+    --shutdown-timeout="${SHUTDOWN_TIMEOUT:-300}" --nnodes="$TORCHRUN_NNODES" --node-rank="$TORCHRUN_NODE_RANK" \
     --nproc-per-node="$NPROC_PER_NODE" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
     -m megatron_async train "${ARGS[@]}"

@@ -23,5 +23,8 @@ load_placement 0 "${ARGS[@]}"   # sets NPROC_PER_NODE, LEARNER_GPUS, REPLICA_GPU
 echo "[single_node] $GPUS GPUs: learner ranks on GPUs $LEARNER_GPUS, replicas on GPUs $REPLICA_GPUS"
 
 # --standalone: a rendezvous on localhost with a free port (no MASTER_ADDR/PORT needed).
-exec "${VENV:-.venv}/bin/python" -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" \
+# torchrun forwards SIGUSR1 too (SLURM's warning: each rank saves a checkpoint and exits 75,
+# run/stop.py) and waits run.stop_deadline_s (240 s by default) + 60 s for that before it kills them.
+exec "${VENV:-.venv}/bin/python" -m torch.distributed.run --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
+    --shutdown-timeout="${SHUTDOWN_TIMEOUT:-300}" --standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" \
     -m megatron_async train "${ARGS[@]}"

@@ -111,6 +111,11 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     tp: int = opt(1, "learner tensor-parallel size")
+    stop_deadline_s: float = opt(240.0,
+        "after SIGTERM or SIGUSR1 the run finishes its learner step, saves a checkpoint there and exits 75 "
+        "(requeue me); if that has not happened this many seconds after the signal (or a second signal comes) "
+        "it stops at once, the previous checkpoint intact (run/stop.py). Below the 300 s warning the SLURM "
+        "recipes ask for (--signal=B:USR1@300); torchrun is given this plus 60 s before it kills its workers.")
     pp: int = opt(1, "learner pipeline-parallel size")
     world_size: int = opt(0,
         "world size (learner ranks); 0 = take WORLD_SIZE from torchrun. DP = world / (tp * pp).")
@@ -580,6 +585,7 @@ def validate(cfg: Config) -> None:
                  f"(replica i uses rendezvous_port + i)")
     if r.replica_urls:
         _require(bool(r.token), "rollout.token", "", "rollout.replica_urls: servers started elsewhere need their key")
+    _require(cfg.run.stop_deadline_s > 0, "run.stop_deadline_s", cfg.run.stop_deadline_s, "must be > 0")
         _require(all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in r.replica_urls),
                  "rollout.replica_urls", r.replica_urls, "must be a list of http(s):// URLs")
     if cfg.placement.dedicated_replica_node and not r.replica_urls:

@@ -72,7 +72,7 @@ class FakePool:
     def __init__(self, stale_once=()):
         self.stale_once = list(stale_once)
 
-    def replicas_needing_weights(self):
+    def replicas_needing_weights(self, wait_s=None):
         stale, self.stale_once = self.stale_once, []
         return [SimpleNamespace(replica_id=i) for i in stale]
 

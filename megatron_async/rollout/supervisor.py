@@ -4,7 +4,9 @@ Runs CMD (vLLM's API server) in this session's process group and ends the whole 
 engine core, workers) when CMD exits, when SIGTERM arrives, or when PARENT_PID is no longer this
 process's parent (the learner that started it died: vLLM has no parent-death handling of its own).
 With `--cpus`, it first pins itself to those CPU ids, so that CMD and every process CMD starts
-inherit them (rollout.replica_cpus).
+inherit them (rollout.replica_cpus). SIGUSR1 is ignored here and in CMD (the disposition is
+inherited across exec): it is the learner's "save and stop" warning (run/stop.py), which SLURM
+sends to every process of a job step, and a replica must keep serving until the learner closes it.
 
 Standard library only, and started by path rather than `-m`, so that it imports nothing of the
 package (no torch): it costs a few MB per replica, not a few hundred.
@@ -30,6 +32,7 @@ def main() -> None:
         if not option.startswith("--cpus="):
             sys.exit(f"supervisor: unknown option {option!r} (expected --cpus=ID,ID,...)")
         os.sched_setaffinity(0, [int(c) for c in option.removeprefix("--cpus=").split(",")])
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     child = subprocess.Popen(cmd)
 
     def end_group(code: int) -> None:

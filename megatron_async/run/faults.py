@@ -13,6 +13,11 @@ recovery paths (not mocks):
                                               replicas' weights serve is generated, replica 0 is
                                               SIGKILLed and the pool has restarted it (a replica
                                               restarted between two pushes while the learner works)
+    MEGATRON_ASYNC_SIGNAL_DURING=sync:1        the learner sends itself SIGTERM while learner step
+                                              1 pushes its weights (after the first tensor); also
+                                              train:N (as step N's training starts) and a third
+                                              field for another signal: train:1:SIGINT (a scheduler's
+                                              or a user's stop, run/stop.py)
 
 Unset (the default) they cost one dictionary lookup per step.
 """
@@ -31,6 +36,7 @@ CRASH_AFTER_CHECKPOINT = "MEGATRON_ASYNC_CRASH_AFTER_CHECKPOINT"
 NAN_LOSS_STEPS = "MEGATRON_ASYNC_NAN_LOSS_STEPS"
 KILL_REPLICA_AT_BATCH = "MEGATRON_ASYNC_KILL_REPLICA_AT_BATCH"
 RESTART_REPLICA_AT_STEP = "MEGATRON_ASYNC_RESTART_REPLICA_AT_STEP"
+SIGNAL_DURING = "MEGATRON_ASYNC_SIGNAL_DURING"
 
 
 def crash_after_checkpoint(step: int) -> None:
@@ -80,3 +86,18 @@ def restart_replica_at(step: int, rollout: RolloutState | None) -> None:
         pool.health_check()  # notices the dead server; the pool restarts it in the background
         time.sleep(0.5)
 
+
+def signal_during(phase: str, step: int) -> None:
+    """Send this process the signal MEGATRON_ASYNC_SIGNAL_DURING names for (phase, step)."""
+    phase_at, step_at, *name = os.environ.get(SIGNAL_DURING, "::").split(":")
+    if (phase_at, step_at) == (phase, str(step)):
+        os.kill(os.getpid(), signal.Signals[name[0] if name else "SIGTERM"])
+
+
+def signal_mid_sync(step: int, tensors):
+    """`tensors` (a weight push's stream), signalled after its first item at the step that
+    MEGATRON_ASYNC_SIGNAL_DURING=sync:<step> names."""
+    for i, item in enumerate(tensors):
+        yield item
+        if i == 0:
+            signal_during("sync", step)

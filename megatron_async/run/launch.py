@@ -9,14 +9,22 @@ anything starts: in this process, and not again in the ranks it relaunches. With
 variables and with more than one learner rank needed (tp x pp, or --nproc), the command
 relaunches itself under `python -m torch.distributed.run` on 127.0.0.1. The vLLM replicas are
 started by learner rank 0 (`run/rollout_state.py`), never by torchrun.
+
+Stopping (`run/stop.py`): every rank listens for SIGTERM / SIGUSR1 (checkpoint at the step
+boundary, exit 75 = requeue me) and Ctrl-C (stop now); either way one line says what was saved and
+how to continue. A relaunching launcher forwards the signals it receives to the ranks and reports
+their stop as its own exit status. At start, /dev/shm segments of runs that died are removed.
 """
 from __future__ import annotations
 
 import logging
 import os
+import shlex
+import signal
 import subprocess
 import sys
 
+import psutil
 import torch
 
 from megatron_async.cluster.cpu_affinity import pin_learner
@@ -25,7 +33,10 @@ from megatron_async.config import Config, ConfigError
 from megatron_async.learner.parallel import destroy_parallel, free_port
 from megatron_async.observability.logs import attach_log_file
 from megatron_async.run.preflight import preflight
+from megatron_async.run.checkpoint import latest_checkpoint
+from megatron_async.run.stop import EXIT_INTERRUPTED, EXIT_REQUEUE, STOP_SIGNALS, Stopped, StopSignals, stop_at_once
 from megatron_async.run.trainer import Trainer
+from megatron_async.weights.shm import sweep_dead_segments, unlink_live_segments
 
 CHECKED_ENV = "MEGATRON_ASYNC_PREFLIGHT_DONE"  # set for the ranks this launcher relaunches
 
@@ -47,10 +58,10 @@ def main(cfg: Config, config_path: str, overrides: list[str], nproc: int | None 
     if relaunch:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
                "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-               "-m", "megatron_async", "train", config_path, *overrides]
+               *torchrun_stop_flags(cfg), "-m", "megatron_async", "train", config_path, *overrides]
         if cfg.run.resume:
             cmd.append("--resume")
-        return subprocess.call(cmd, env={**os.environ, CHECKED_ENV: "1"})
+        return run_forwarding_signals(cmd, env={**os.environ, CHECKED_ENV: "1"})
 
     log_path = attach_log_file(cfg.run_dir / "train.log")  # library warnings, megatron's config dumps: file only
     logging.getLogger(__name__).info("run %s in %s (full log: %s); building the learner and replicas...",
@@ -59,12 +70,68 @@ def main(cfg: Config, config_path: str, overrides: list[str], nproc: int | None 
     cfg.parallel.learner_cpus, cfg.rollout.replica_cpus = cpus.learner, cpus.replica
     logging.getLogger(__name__).info("%s", cpus.describe())
     pin_learner(cpus.learner)  # before any torch thread pool exists; replicas re-pin
+    files, freed = sweep_dead_segments()
+    if files:
+        logging.getLogger(__name__).info("removed %d weight-sync segment(s) of runs that died (%.0f MiB of /dev/shm)",
+                                         files, freed / 2**20)
+    stop = StopSignals(cfg.run.stop_deadline_s, at_once=lambda why: stop_at_once(why, unlink_live_segments)).install()
     trainer = None
     try:
-        trainer = Trainer.build(cfg)
-        trainer.train()
-        return 0
+        try:
+            trainer = Trainer.build(cfg, stop)
+            stopped = trainer.train()
+        finally:
+            if trainer is not None:
+                trainer.close()
+            destroy_parallel()
+    except KeyboardInterrupt:
+        if int(os.environ.get("RANK", 0)) == 0:
+            last = latest_checkpoint(cfg)
+            saved = f"the last checkpoint is {last}" if last else "no checkpoint was saved yet"
+            print(f"megatron-async: interrupted (Ctrl-C); {saved}; continue with: {resume_command(config_path, overrides)}",
+                  file=sys.stderr)
+        return EXIT_INTERRUPTED
     finally:
-        if trainer is not None:
-            trainer.close()
-        destroy_parallel()
+        stop.uninstall()
+    if stopped is None:
+        return 0
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"megatron-async: stopped by {stopped.signal} at step {stopped.next_step} of {cfg.trainer.steps}; "
+              f"checkpoint {stopped.checkpoint}; continue with: {resume_command(config_path, overrides)}", file=sys.stderr)
+    # under this command's own relaunch the launcher reports the stop (torchrun would call 75 a failure)
+    return 0 if os.environ.get(CHECKED_ENV) == "1" else EXIT_REQUEUE
+
+
+def resume_command(config_path: str, overrides: list[str]) -> str:
+    return shlex.join(["megatron-async", "train", config_path, *overrides, "--resume"])
+
+
+def torchrun_stop_flags(cfg: Config) -> list[str]:
+    """torchrun forwards SIGUSR1 too (its default list lacks it), and waits for the ranks' stop
+    (run.stop_deadline_s + 60 s) before it kills them. launch/*.sh pass the same two flags."""
+    return ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+            f"--shutdown-timeout={int(cfg.run.stop_deadline_s) + 60}"]
+
+
+def run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> int:
+    """Run torchrun; SIGTERM, SIGUSR1 and SIGINT sent to this launcher go to the ranks (torchrun's
+    children; torchrun itself until it has started them). Exit: the ranks' status, or EXIT_REQUEUE
+    when a stop signal was forwarded and the ranks stopped cleanly."""
+    proc = subprocess.Popen(cmd, env=env)
+    forwarded: list[int] = []
+
+    def forward(signum, frame):
+        forwarded.append(signum)
+        ranks = psutil.Process(proc.pid).children()
+        for target in ranks or [proc]:
+            target.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (*STOP_SIGNALS, signal.SIGINT)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if code == 0 and any(sig in STOP_SIGNALS for sig in forwarded):
+        return EXIT_REQUEUE
+    return code

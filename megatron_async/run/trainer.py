@@ -15,6 +15,11 @@ Every rank runs the same loop; rank 0 decides what happens next and broadcasts i
 While waiting, rank 0 also repairs the pool: a replica that was restarted gets the learner's
 current weights before it takes work again (`_wait_until`).
 
+Stopping from outside (`run/stop.py`): after SIGTERM or SIGUSR1 the step under way finishes (its
+push included; a push that fails then is logged, not raised: the checkpoint does not need the
+replicas), and at the next step boundary, or while rank 0 waits there for the next batch, every
+rank saves a checkpoint at that boundary and `train` returns a `Stopped` record.
+
 State: `learner` (every rank: models, optimizers, the algorithm; `run/learner_state.py`),
 `rollout` (rank 0 only, None elsewhere: prompts, pool, scorer, producer, the lag and balance
 controllers; `run/rollout_state.py`) and `report` (rank 0 only: metric history, console line,
@@ -48,6 +53,8 @@ from megatron_async.run.report import StepReport
 from megatron_async.run.rollout_state import RolloutState
 from megatron_async.run.sft import run_sft
 from megatron_async.run.bad_steps import BadStepGuard
+from megatron_async.run.stop import Stopped, StopSignals
+from megatron_async.weights.sender import PushResult, WeightSyncError
 from megatron_async.weights.update import WeightUpdate
 
 log = logging.getLogger(__name__)
@@ -64,10 +71,11 @@ class Trainer:
     weights: WeightUpdate  # every rank: one vLLM weight update end to end (weights/update.py)
     start_step: int = 0
     report: StepReport | None = None  # rank 0 only
+    stop: StopSignals | None = None  # signals that stop the run at a step boundary (None: not listened to)
 
     # -- building ---------------------------------------------------------------------------------
     @classmethod
-    def build(cls, cfg: Config) -> "Trainer":
+    def build(cls, cfg: Config, stop: StopSignals | None = None) -> "Trainer":
         """Every rank. What was started before a later part fails (the tracker's run, the replicas,
         the reward model's worker, the weight senders) is closed again before the error propagates."""
         layout = init_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.run.seed, device_index=learner_device_index(cfg))
@@ -99,7 +107,7 @@ class Trainer:
             weights = WeightUpdate.build(cfg, layout, ctrl, rollout.pool if rank0 else None, urls, key)
             built.callback(weights.close)
             trainer = cls(cfg, ctrl, learner, rollout, tracker, init_model, weights,
-                          report=StepReport(cfg, tracker) if rank0 else None)
+                          report=StepReport(cfg, tracker) if rank0 else None, stop=stop)
             if cfg.run.resume:
                 trainer._resume()
             elif replica_urls(cfg):  # servers started elsewhere serve the base model, not necessarily init_model
@@ -113,24 +121,32 @@ class Trainer:
         self.weights.push(self.learner.version, self.learner.hf_weights())  # replicas started from version 0
 
     # -- the loop -----------------------------------------------------------------------------------
-    def train(self) -> None:
+    def train(self) -> Stopped | None:
+        """The run's steps; None when they all ran, a `Stopped` record when a signal stopped them."""
         cfg, t = self.cfg, self.cfg.trainer
         before = self._evaluate("before") if self.start_step == 0 else None
         if self.rollout is not None:
             self.rollout.start_producer(first_batch=self.start_step)
         guard = BadStepGuard(t.max_bad_steps, steps_to_run=t.steps - self.start_step)
+        saved: Path | None = None  # the checkpoint of the last boundary, if one was saved there
         for step in range(self.start_step, t.steps):
+            if self._stopping():
+                return self._stop_at(step, saved)
             timer = StepTimer()  # timing/*: the steps phase only (no set-up, SFT, eval)
             with timer("step_wall"):
                 with timer("learner_idle"):
-                    batch, updates = self._next_batch(step)
+                    planned = self._next_batch(step)
+                if planned is None:  # a stop signal came while rank 0 waited for this batch
+                    return self._stop_at(step, saved)
+                batch, updates = planned
                 faults.restart_replica_at(step, self.rollout)
                 with timer("train"):
+                    faults.signal_during("train", step)
                     metrics = self.learner.step(batch, step, updates)
                 with timer("learner_wait_old"):  # the old weights serve batches up to step + max_lag
                     self._wait_until(lambda: self.rollout.producer.old_weights_done(step))
                 with timer("sync"):
-                    synced = self.weights.push(step + 1, self.learner.hf_weights())
+                    synced = self._push(step + 1)
                 held_out = None
                 if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
                     held_out = self._evaluate(f"step{step + 1}")  # replicas hold version step+1 until the next push
@@ -154,23 +170,31 @@ class Trainer:
             if stop := guard.record(step, batch, metrics):
                 path = saved or self._checkpoint(next_step=step + 1)
                 raise RuntimeError(f"{stop}; stopping. The last good weights are in {path}")
+        if self._stopping():  # during the last step: the final evaluation and export wait for --resume
+            return self._stop_at(t.steps, saved)
         after = self._evaluate("after")
         export_hf(self.learner.policy.model, cfg.run_dir / "hf_final", tokenizer_dir=self.init_model)
         if self.rollout is not None:
             self.report.finish(before, after, len(self.rollout.eval_prompts), latest_checkpoint(cfg))
+        return None
 
-    def _next_batch(self, step: int) -> tuple[RolloutBatch, int]:
-        """All ranks: batch `step`, once rank 0's producer has generated it, and T, the passes over it."""
-        self._wait_until(lambda: self.rollout.producer.has(step))
+    def _next_batch(self, step: int) -> tuple[RolloutBatch, int] | None:
+        """All ranks: batch `step`, once rank 0's producer has generated it, and T, the passes over it;
+        None if a stop signal reached rank 0 first."""
+        if not self._wait_until(lambda: self.rollout.producer.has(step), stoppable=True):
+            return None
         plan = (self.rollout.producer.take(step), self.rollout.updates_per_batch()) if self.rollout is not None else None
         return from_rank0(plan, self.ctrl)
 
-    def _wait_until(self, ready: Callable[[], bool]) -> None:
-        """All ranks: wait until rank 0's `ready()` holds; push weights to restarted replicas meanwhile."""
+    def _wait_until(self, ready: Callable[[], bool], stoppable: bool = False) -> bool:
+        """All ranks: wait until rank 0's `ready()` holds (True), or, if `stoppable`, until a stop signal
+        reaches rank 0 (False); push weights to restarted replicas meanwhile."""
         while True:
             command = None
             if self.rollout is not None:
-                if stale := [r.replica_id for r in self.rollout.pool.replicas_needing_weights(wait_s=0)]:
+                if stoppable and self.stop is not None and self.stop.requested:
+                    command = ("stop", [])
+                elif stale := [r.replica_id for r in self.rollout.pool.replicas_needing_weights(wait_s=0)]:
                     command = ("resync", stale)  # before `ready`: a full push leaves restarted replicas out
                 elif ready():
                     command = ("ready", [])
@@ -178,8 +202,8 @@ class Trainer:
                     self.rollout.producer.wait(1.0)
                     continue
             kind, replica_ids = from_rank0(command, self.ctrl)
-            if kind == "ready":
-                return
+            if kind in ("ready", "stop"):
+                return kind == "ready"
             log.warning("replicas %s restarted: pushing the learner's current weights (v%d)",
                         replica_ids, self.learner.version)
             self.weights.push(self.learner.version, self.learner.hf_weights(), replica_ids)
@@ -189,6 +213,29 @@ class Trainer:
         if self.rollout is None:
             return None
         return self.rollout.evaluate(tag, self.learner.version, self.tracker)
+
+    def _push(self, version: int) -> PushResult:
+        """The step's weight push. Once a stop signal came, a failed push (a scheduler's SIGTERM also
+        reaches the replicas) is logged, not raised: the checkpoint at the boundary needs no replica,
+        and a resumed run pushes its weights before it generates."""
+        try:
+            return self.weights.push(version, faults.signal_mid_sync(version - 1, self.learner.hf_weights()))
+        except WeightSyncError as e:
+            if self.stop is None or not self.stop.requested:
+                raise
+            log.warning("weight push v%d failed while stopping (%s); the replicas are not needed for the checkpoint", version, e)
+            return PushResult(replicas=0)
+
+    def _stopping(self) -> bool:
+        """All ranks, at a step boundary: did any rank receive a stop signal?"""
+        return self.stop is not None and self.stop.agreed(self.ctrl) is not None
+
+    def _stop_at(self, next_step: int, saved: Path | None) -> Stopped:
+        """All ranks: the checkpoint at this boundary (the one already saved here, if any) as a `Stopped`."""
+        if saved is None and next_step == self.start_step and self.cfg.run.resume:
+            saved = latest_checkpoint(self.cfg)  # resumed from it: nothing new to save
+        path = saved or self._checkpoint(next_step)
+        return Stopped(self.stop.signal or "SIGTERM", next_step, path)
 
     def _checkpoint(self, next_step: int) -> Path:
         return save_run_checkpoint(self.cfg, self.learner, self.ctrl, next_step, self.rollout, self.report)

@@ -11,7 +11,9 @@ Safety:
   replica answered the bucket in it, and the engine copies every tensor out of the segment.
 - Cleanup: `ShmSegment.close()` (and a `weakref.finalize` at garbage collection or interpreter
   exit) unlinks the file; a replica's mapping then lives until it drops it at the end of the update.
-  Only a SIGKILLed sender leaves a `mas-wsync-*` file behind.
+  A run stopped at once (`run/stop.py`: os._exit runs no finalizers) calls `unlink_live_segments`
+  first. Only a SIGKILLed sender leaves a `mas-wsync-<pid>-*` file behind, and the next run on the
+  host removes it (`sweep_dead_segments`: ours by name and owner, whose pid no longer runs).
 - Space: tmpfs pages are reserved up front (`posix_fallocate`), so a full /dev/shm is an error
   here, not a SIGBUS on a later write.
 - Only files named `mas-wsync-*` directly under /dev/shm are opened on the replica side.
@@ -28,7 +30,11 @@ PREFIX = "mas-wsync-"
 HEADER_SLACK = 1 << 20  # room for a bucket's safetensors header beyond its tensor bytes
 
 
+_LIVE: set[str] = set()  # this process's segments, for `unlink_live_segments`
+
+
 def _unlink(path: str) -> None:
+    _LIVE.discard(path)
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -55,6 +61,7 @@ class ShmSegment:
         self.close()
         path = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        _LIVE.add(path)
         finalizer = weakref.finalize(self, _unlink, path)
         try:
             try:
@@ -79,6 +86,44 @@ class ShmSegment:
         # NOTE: no mmap.close(): a bucket's memoryview may still be alive (BufferError); dropping
         # the reference unmaps it once the views are gone.
         self._mm, self.path, self.size, self._finalizer = None, None, 0, None
+
+
+def unlink_live_segments() -> int:
+    """Unlink every segment this process still holds (a stop at once); returns how many."""
+    paths = list(_LIVE)
+    for path in paths:
+        _unlink(path)
+    return len(paths)
+
+
+def sweep_dead_segments(shm_dir: str = SHM_DIR) -> tuple[int, int]:
+    """Remove the segments of senders that are gone: `mas-wsync-<pid>-*` files directly in `shm_dir`,
+    owned by this user, whose pid no longer runs. Returns (files, bytes) removed."""
+    files = freed = 0
+    uid = os.getuid()
+    for entry in os.scandir(shm_dir):
+        pid_text = entry.name.removeprefix(PREFIX).split("-", 1)[0]
+        if not entry.name.startswith(PREFIX) or not pid_text.isdigit() or not entry.is_file(follow_symlinks=False):
+            continue
+        st = entry.stat(follow_symlinks=False)
+        if st.st_uid != uid or _pid_runs(int(pid_text)):
+            continue
+        try:
+            os.unlink(entry.path)
+        except FileNotFoundError:  # another run's sweep was first
+            continue
+        files, freed = files + 1, freed + st.st_size
+    return files, freed
+
+
+def _pid_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it runs
+        return True
+    return True
 
 
 def free_bytes() -> int:

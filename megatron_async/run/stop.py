@@ -1,0 +1,122 @@
+"""Stopping a run from outside: SIGTERM / SIGUSR1 save the run's place at a step boundary, then exit 75.
+
+What schedulers send and what each rank does (`StopSignals`, installed on every learner rank):
+
+    SIGTERM   scancel, a time limit, preemption     finish the current learner step (its weight
+    SIGUSR1   SLURM's warning (`--signal=USR1@300`)  push included), save a checkpoint at that
+                                                     step boundary, close the replicas, remove
+                                                     the run's /dev/shm segments, print one line,
+                                                     exit with EXIT_REQUEUE (75, sysexits'
+                                                     EX_TEMPFAIL: "try again", i.e. requeue me)
+    a second SIGTERM / SIGUSR1 / SIGINT, or          stop at once: the run's shared-memory
+    run.stop_deadline_s after the first one          segments are unlinked and the process exits
+                                                     75; the previous checkpoint is intact (saves
+                                                     are atomic: a half-written one is never loaded)
+    SIGINT (Ctrl-C) first                            KeyboardInterrupt as usual: everything is
+                                                     closed, and `run/launch.py` prints one line
+                                                     (the last checkpoint, how to resume), no traceback
+
+A signal that several senders fan out to one rank (SLURM signals every process of a job step, and
+torchrun forwards what it receives to its workers) reaches that rank more than once within
+milliseconds: repeats within DUPLICATE_WINDOW_S of the first count as the same signal. The ranks
+agree on stopping with one all-reduce per step on the control group (`agreed`), as Megatron-LM's
+exit-signal handler does, so a signal that reached any one rank stops all of them at the same
+boundary.
+
+The handler only records: the loop reads `requested` at its boundaries (and while rank 0 waits
+for a batch), so no step, weight push or checkpoint is cut in half by a first signal.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+EXIT_REQUEUE = 75  # sysexits.h EX_TEMPFAIL: the run saved its place and can be continued (--resume)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+DUPLICATE_WINDOW_S = 2.0  # one signal fanned out by several senders arrives within milliseconds
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """How a run stopped on a signal: what `Trainer.train` returns instead of finishing."""
+    signal: str  # "SIGTERM" or "SIGUSR1"
+    next_step: int  # the learner step a resumed run starts with
+    checkpoint: Path  # saved at that boundary (or the periodic one already there)
+
+
+class StopSignals:
+    """The run's stop requests from signals (module docstring). One per process, `install`ed on
+    the main thread before the run is built; `uninstall` restores the previous handlers."""
+
+    def __init__(self, deadline_s: float, *, at_once: Callable[[str], None],
+                 clock: Callable[[], float] = time.monotonic):
+        self.deadline_s = deadline_s
+        self.signal: str | None = None  # the first stop signal, once one came
+        self._first_at: float | None = None
+        self._at_once = at_once  # never returns: unlink, then os._exit (tests pass a recorder)
+        self._clock = clock
+        self._previous: dict[int, object] = {}
+        self._deadline: threading.Timer | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    def install(self) -> "StopSignals":
+        for sig in (*STOP_SIGNALS, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+        if self._deadline is not None:
+            self._deadline.cancel()
+
+    def handle(self, signum: int, frame=None) -> None:
+        name = signal.Signals(signum).name
+        now = self._clock()
+        if self._first_at is None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.signal, self._first_at = name, now
+            log.warning("%s received: finishing this learner step, then saving a checkpoint and stopping "
+                        "(a second signal, or %.0f s from now, stops at once)", name, self.deadline_s)
+            self._deadline = threading.Timer(self.deadline_s, self._at_once, (f"run.stop_deadline_s={self.deadline_s:g} passed",))
+            self._deadline.daemon = True
+            self._deadline.start()
+        elif now - self._first_at > DUPLICATE_WINDOW_S:
+            self._at_once(f"a second signal ({name})")
+
+    def agreed(self, group: dist.ProcessGroup) -> str | None:
+        """All ranks of `group`: the stop signal if any rank received one (its name where this rank
+        did, else SIGTERM), else None. One all-reduce of one integer."""
+        if dist.get_world_size(group) == 1:
+            return self.signal
+        flag = torch.tensor([1 if self.requested else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag.item() and self.signal is None:
+            self.signal = "SIGTERM"  # another rank's; this rank's own deadline does not run
+        return self.signal if flag.item() else None
+
+
+def stop_at_once(reason: str, unlink: Callable[[], int]) -> None:
+    """The second signal's or the deadline's path: no checkpoint, no waiting; shared memory is
+    unlinked first (os._exit runs no finalizers)."""
+    freed = unlink()
+    log.error("stopping at once: %s; %d shared-memory segment(s) removed; the previous checkpoint is intact", reason, freed)
+    logging.shutdown()
+    os._exit(EXIT_REQUEUE)

@@ -1,0 +1,189 @@
+"""Stopping a run (run/stop.py) in-process: the signal logic, the loop's stop at a step boundary
+(the fakes of tests/test_trainer_loop.py), and the /dev/shm sweep (weights/shm.py). No process
+starts; tests/test_stop_e2e.py sends the signals to real runs."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from megatron_async.run.stop import DUPLICATE_WINDOW_S, Stopped, StopSignals
+from megatron_async.weights import shm
+from megatron_async.weights.sender import WeightSyncError
+from tests.test_trainer_loop import make_trainer, no_files  # noqa: F401 (fixture)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def signals(deadline_s=60.0, clock=None):
+    stopped_at_once: list[str] = []
+    done = threading.Event()
+
+    def at_once(why):
+        stopped_at_once.append(why)
+        done.set()
+
+    return StopSignals(deadline_s, at_once=at_once, clock=clock or Clock()), stopped_at_once, done
+
+
+def test_a_first_stop_signal_is_recorded_and_repeats_of_it_within_the_window_are_the_same_signal():
+    clock = Clock()
+    stop, at_once, _ = signals(clock=clock)
+    assert not stop.requested
+    stop.handle(signal.SIGUSR1)
+    assert stop.requested and stop.signal == "SIGUSR1" and at_once == []
+    clock.now += DUPLICATE_WINDOW_S / 2  # SLURM's copy and torchrun's forward of one signal
+    stop.handle(signal.SIGUSR1)
+    stop.handle(signal.SIGTERM)
+    assert at_once == [] and stop.signal == "SIGUSR1"
+    clock.now += DUPLICATE_WINDOW_S
+    stop.handle(signal.SIGTERM)
+    assert at_once == ["a second signal (SIGTERM)"]
+    stop.uninstall()
+
+
+def test_ctrl_c_first_is_a_keyboard_interrupt_and_after_a_stop_signal_it_stops_at_once():
+    clock = Clock()
+    stop, at_once, _ = signals(clock=clock)
+    with pytest.raises(KeyboardInterrupt):
+        stop.handle(signal.SIGINT)
+    assert not stop.requested
+    stop.handle(signal.SIGTERM)
+    clock.now += DUPLICATE_WINDOW_S + 1
+    stop.handle(signal.SIGINT)
+    assert at_once == ["a second signal (SIGINT)"]
+    stop.uninstall()
+
+
+def test_the_deadline_stops_at_once_when_the_boundary_is_not_reached():
+    stop, at_once, done = signals(deadline_s=0.01)
+    stop.handle(signal.SIGTERM)
+    assert done.wait(10), "the deadline never fired"
+    assert at_once == ["run.stop_deadline_s=0.01 passed"]
+
+
+def test_install_routes_the_signals_to_it_and_uninstall_restores_the_handlers():
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    stop, _, _ = signals()
+    stop.install()
+    try:
+        assert all(signal.getsignal(s) == stop.handle for s in before)
+        os.kill(os.getpid(), signal.SIGUSR1)  # delivered to the main thread before the next bytecode
+        assert stop.signal == "SIGUSR1"
+    finally:
+        stop.uninstall()
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+# -- the loop ---------------------------------------------------------------------------------------
+def stop_during_step(trainer, at_step: int):
+    """The fake learner's step `at_step` receives SIGTERM (as a scheduler would send it mid-step)."""
+    step = trainer.learner.step
+
+    def stepped(batch, s, updates):
+        if s == at_step:
+            trainer.stop.handle(signal.SIGTERM)
+        return step(batch, s, updates)
+
+    trainer.learner.step = stepped
+
+
+def test_a_signal_mid_step_finishes_the_step_with_its_push_then_checkpoints_at_the_boundary(tmp_path, one_rank_group, no_files):
+    trainer, events = make_trainer(tmp_path, one_rank_group, "trainer.steps=5")
+    trainer.stop, _, _ = signals()
+    stop_during_step(trainer, 1)
+    stopped = trainer.train()
+    assert stopped == Stopped("SIGTERM", 2, "ckpt2")
+    assert no_files == [2]
+    assert ("push", 2, None) in events.log and ("notify_synced", 2) in events.log  # step 1 whole
+    assert ("train", 2) not in events.log
+
+
+def test_a_boundary_with_a_periodic_checkpoint_is_not_saved_twice(tmp_path, one_rank_group, no_files):
+    trainer, _ = make_trainer(tmp_path, one_rank_group, "trainer.steps=5", "trainer.checkpoint_every=2")
+    trainer.stop, _, _ = signals()
+    stop_during_step(trainer, 1)
+    assert trainer.train() == Stopped("SIGTERM", 2, "ckpt2")
+    assert no_files == [2]
+
+
+def test_a_push_that_fails_while_stopping_still_ends_in_the_checkpoint(tmp_path, one_rank_group, no_files):
+    trainer, _ = make_trainer(tmp_path, one_rank_group, "trainer.steps=5")
+    trainer.stop, _, _ = signals()
+    stop_during_step(trainer, 0)
+
+    def replicas_gone(version, tensors, replica_ids=None):
+        raise WeightSyncError("every replica was dropped")
+
+    trainer.weights.push = replicas_gone
+    assert trainer.train() == Stopped("SIGTERM", 1, "ckpt1")
+    assert no_files == [1]
+
+
+def test_without_a_stop_signal_a_failed_push_still_ends_the_run(tmp_path, one_rank_group, no_files):
+    trainer, _ = make_trainer(tmp_path, one_rank_group)
+    trainer.stop, _, _ = signals()
+
+    def refused(version, tensors, replica_ids=None):
+        raise WeightSyncError("refused")
+
+    trainer.weights.push = refused
+    with pytest.raises(WeightSyncError):
+        trainer.train()
+
+
+def test_a_signal_while_rank0_waits_for_the_next_batch_stops_without_waiting_for_it(tmp_path, one_rank_group, no_files):
+    trainer, events = make_trainer(tmp_path, one_rank_group, "trainer.steps=5")
+    trainer.stop, _, _ = signals()
+    producer = trainer.rollout.producer
+    has = producer.has
+    producer.has = lambda step: step < 2 and has(step)  # batch 2 never comes
+
+    def wait(timeout):  # the signal arrives while the loop waits for batch 2
+        trainer.stop.handle(signal.SIGTERM)
+
+    producer.wait = wait
+    assert trainer.train() == Stopped("SIGTERM", 2, "ckpt2")
+    assert ("take", 2) not in events.log
+
+
+# -- /dev/shm ---------------------------------------------------------------------------------------
+def a_pid_that_does_not_run() -> int:
+    pid = int(Path("/proc/sys/kernel/pid_max").read_text()) - 1
+    while Path(f"/proc/{pid}").exists():
+        pid -= 1
+    return pid
+
+
+def test_the_sweep_removes_only_our_segments_of_senders_that_are_gone(tmp_path):
+    dead = a_pid_that_does_not_run()
+    files = {name: tmp_path / name for name in (
+        f"{shm.PREFIX}{dead}-aa", f"{shm.PREFIX}{os.getpid()}-bb", f"{shm.PREFIX}{dead}-other-user",
+        f"other-{dead}-cc", f"{shm.PREFIX}notapid-dd")}
+    for path in files.values():
+        path.write_bytes(b"x" * 1000)
+    if os.getuid() == 0:
+        os.chown(files[f"{shm.PREFIX}{dead}-other-user"], 65534, 65534)
+    else:
+        files.pop(f"{shm.PREFIX}{dead}-other-user").unlink()
+    assert shm.sweep_dead_segments(str(tmp_path)) == (1, 1000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n in files if n != f"{shm.PREFIX}{dead}-aa")
+
+
+def test_a_stop_at_once_unlinks_this_process_segments():
+    segment = shm.ShmSegment(4096)
+    segment.buffer(16)
+    path = segment.path
+    assert os.path.exists(path)
+    assert shm.unlink_live_segments() >= 1
+    assert not os.path.exists(path)
+    segment.close()  # the finalizer finds nothing left to unlink
