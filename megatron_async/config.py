@@ -260,7 +260,13 @@ class TrainerConfig:
         "raise T while generation-bound and rollout.k while training-bound, each within its bound "
         "(run/auto_balance.py: the paper's Section 4)")
     max_updates_per_batch: int = opt(4, "auto_balance: the highest T it may choose")
-    micro_batch_size: int = opt(8, "sequences per forward/backward microbatch")
+    micro_batch_size: int = opt(8, "sequences per forward/backward microbatch (at most, with micro_batch_tokens)")
+    micro_batch_tokens: int = opt(0,
+        "0 = microbatches of micro_batch_size rows, all padded to the minibatch's longest row. N > 0 = a token "
+        "budget: rows (DPO pairs) sorted longest first and grouped so that rows x the group's longest row <= N "
+        "(and rows <= micro_batch_size; a longer row is a microbatch of its own), each padded only to its own "
+        "longest row; the loss is the same mean over rows, the samples per optimizer step the same "
+        "(algorithms/base.py). Logged: train/padding_fraction. Pipeline stages exchange the varying shapes.")
     logits_chunk_mb: int = opt(0,
         "0 = each microbatch's logits are made at once (fastest: the LM head runs once); N = at most N MB of "
         "fp32 logits per TP rank at a time, each chunk recomputed in the backward (one more LM-head GEMM), so "
@@ -532,7 +538,8 @@ def validate(cfg: Config) -> None:
                        ("trainer.max_bad_steps", t.max_bad_steps)]:
         _require(value >= 1, key, value, "must be >= 1")
     for key, value in [("trainer.steps", t.steps), ("sft.steps", cfg.sft.steps), ("trainer.warmup_steps", t.warmup_steps),
-                       ("parallel.world_size", par.world_size), ("data.eval_size", cfg.data.eval_size)]:
+                       ("parallel.world_size", par.world_size), ("data.eval_size", cfg.data.eval_size),
+                       ("trainer.micro_batch_tokens", t.micro_batch_tokens)]:
         _require(value >= 0, key, value, "must be >= 0")
     if r.max_lag == "auto":
         _require(t.staleness_monitor, "rollout.max_lag", r.max_lag,

@@ -285,3 +285,81 @@ def test_the_staleness_monitor_reads_the_training_forward_only_for_one_optimizer
         assert stats_deferred.keys() == stats_separate.keys() and stats_deferred
         for key, value in stats_separate.items():
             assert stats_deferred[key].item() == pytest.approx(value.item()), key
+
+
+# -- token-budget microbatches (trainer.micro_batch_tokens) ------------------------------------------
+def varied(n_rows, pairs=False):
+    """Rows of prompt 2 + completion 1..9 tokens, in no length order (DPO: adjacent chosen/rejected)."""
+    lengths = [(7 * i) % 9 + 1 for i in range(n_rows)]
+    return [sample(i // 2 if pairs else i, float((i + 1) % 2) if pairs else float(i % 3), n_completion=n)
+            for i, n in enumerate(lengths)]
+
+
+def test_token_budget_groups_hold_every_row_once_under_the_budget_and_the_row_cap():
+    from megatron_async.algorithms.base import token_budget_groups
+
+    rows = varied(13)
+    length = [len(r.prompt_ids) + len(r.completion_ids) for r in rows]
+    groups = token_budget_groups(rows, per_unit=1, max_rows=4, max_tokens=24)
+    assert sorted(i for g in groups for i in g) == list(range(13))
+    for g in groups:
+        assert len(g) <= 4 and (len(g) == 1 or len(g) * max(length[i] for i in g) <= 24), (g, [length[i] for i in g])
+    assert [max(length[i] for i in g) for g in groups] == sorted((max(length[i] for i in g) for g in groups), reverse=True)
+    pairs = token_budget_groups(varied(12, pairs=True), per_unit=2, max_rows=4, max_tokens=30)
+    assert all(g[i] % 2 == 0 and g[i + 1] == g[i] + 1 for g in pairs for i in range(0, len(g), 2))  # pairs whole
+    assert token_budget_groups(rows, 1, max_rows=8, max_tokens=5) == [[i] for i in sorted(range(13), key=lambda i: -length[i])]
+
+
+def test_token_budget_microbatches_pad_each_to_its_own_longest_row_and_pad_less():
+    rows = varied(13)
+    rloo = algo("rloo", beta=0.0)
+    by_rows = rloo.microbatches(rows, pad_id=0, micro_batch_size=4)
+    by_tokens = rloo.microbatches(rows, pad_id=0, micro_batch_size=4, max_tokens=24)
+    for mb in by_tokens:
+        lengths = [len(rows[i].prompt_ids) + len(rows[i].completion_ids) for i in mb["row_index"].tolist()]
+        assert mb["input_ids"].shape == (len(lengths), max(lengths)) and mb["real_rows"] == len(lengths)
+        assert mb["row_weight"].tolist() == [1.0] * len(lengths)
+    assert sum(mb["loss_scale"].item() for mb in by_tokens) / len(by_tokens) == pytest.approx(1.0)
+    assert sum(mb["input_ids"].numel() for mb in by_tokens) < sum(mb["input_ids"].numel() for mb in by_rows)
+
+
+@pytest.mark.parametrize("max_tokens", [24, 60])
+def test_under_a_token_budget_the_dpo_loss_is_the_same_mean_over_pairs(max_tokens):
+    dpo = algo("online_dpo", beta=0.1)
+    rows = varied(12, pairs=True)
+    torch.manual_seed(0)
+    lp_of = {i: -torch.rand(12) for i in range(12)}  # per row, position-aligned logprobs
+    ref_of = {i: -torch.rand(12) for i in range(12)}
+
+    def schedule_loss(mbs, index_of):
+        losses = []
+        for mb in mbs:
+            s, index = mb["input_ids"].shape[1], index_of(mb)
+            mb["ref_logprobs"] = torch.stack([ref_of[i][:s] for i in index]) * mb["loss_mask"]
+            lp = torch.stack([lp_of[i][:s] for i in index]) * mb["loss_mask"]
+            losses.append(dpo.loss(lp, mb)[0])
+        return sum(losses) / len(losses)  # what megatron's schedule computes
+
+    by_rows = dpo.microbatches(rows, pad_id=0, micro_batch_size=4)
+    by_tokens = dpo.microbatches(rows, pad_id=0, micro_batch_size=4, max_tokens=max_tokens)
+    in_order = iter(range(12))
+    want = schedule_loss(by_rows, lambda mb: [next(in_order) for _ in range(mb["input_ids"].shape[0])])
+    got = schedule_loss(by_tokens, lambda mb: mb["row_index"].tolist())
+    assert len(by_tokens) != len(by_rows) or max_tokens == 60
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_under_a_token_budget_per_row_values_come_back_in_row_order():
+    from megatron_async.algorithms.base import real_rows_of, scatter_rows
+
+    rows = [sample(i // K, float(i % 2), n_completion=1 + (5 * i) % 7) for i in range(8)]
+    rloo = algo("rloo", beta=0.5)
+    results = []
+    for max_tokens in (0, 20):
+        mbs = rloo.microbatches(rows, pad_id=0, micro_batch_size=3, max_tokens=max_tokens)
+        assert real_rows_of(mbs, "rewards").tolist() == [r.reward for r in rows]
+        rloo.prepare([mbs], FixedModels(reference=[mb["gen_logprobs"] - 0.1 * mb["loss_mask"] for mb in mbs]), K)
+        results.append(real_rows_of(mbs, "advantages"))
+        scatter_rows(mbs, "check", torch.arange(8.0))
+        assert real_rows_of(mbs, "check").tolist() == list(range(8))
+    assert results[1].tolist() == pytest.approx(results[0].tolist())

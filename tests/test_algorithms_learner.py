@@ -123,3 +123,18 @@ def test_ppo_refuses_a_reward_model_it_cannot_start_the_value_model_from(tiny_ck
     cfg = load_config(None, [*ppo, f"reward.model_path={other_vocab}"])
     with pytest.raises(ConfigError, match=r"'reward.model_path'.*must share a tokenizer"):
         check_value_model_source(cfg, tiny_ckpts["gqa"])  # LearnerState.build's first check: nothing built yet
+
+
+def test_token_budget_microbatches_at_two_pipeline_stages_match_one(tiny_ckpts, tmp_path):
+    """trainer.micro_batch_tokens: microbatches of different [batch, seq] shapes through megatron's
+    pipeline schedule (shapes exchanged between the stages) give what one stage gives. PPO's token
+    mean weighs tokens per microbatch, so both runs use the same budget (the same microbatches)."""
+    runs = {}
+    for pp in (1, 2):
+        out = tmp_path / f"pp{pp}.json"
+        run_worker("ppo_descent_worker.py", tiny_ckpts["tied"], out, "trainer.micro_batch_tokens=24", "--pp", str(pp), nproc=pp)
+        runs[pp] = json.loads(out.read_text())
+    assert all(0 < h["train/padding_fraction"] < 1 for h in runs[2]["history"])
+    for key in ("train/loss", "ppo/explained_variance", "train_value/grad_norm", "train/padding_fraction"):
+        assert [h[key] for h in runs[2]["history"]] == pytest.approx([h[key] for h in runs[1]["history"]], rel=1e-4, abs=1e-5), key
+    assert runs[2]["logp_after"] == pytest.approx(runs[1]["logp_after"], rel=1e-4)

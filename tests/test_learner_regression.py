@@ -54,3 +54,17 @@ def test_learner_steps_match_the_recorded_values(algorithm, overrides, tmp_path)
         assert set(got) == set(want), f"step {step}: metrics {sorted(got)} vs recorded {sorted(want)}"
         for key, value in want.items():
             assert got[key] == pytest.approx(value, rel=1e-4, abs=ABS_TOL.get(key, 1e-8)), f"step {step} {key}"
+
+
+@pytest.mark.integration  # a megatron-core learner process
+@pytest.mark.parametrize("algorithm", ["online_dpo", "rloo"])
+def test_token_budget_microbatches_match_the_recorded_values(algorithm, tmp_path):
+    """trainer.micro_batch_tokens: the rows sorted longest first, 8 to a microbatch (the budget is
+    never reached), each padded to its own longest row: other shapes, rows in another order, the same
+    numbers. Row-mean losses only: GRPO's token aggregation weighs tokens per microbatch
+    (algorithms/base.py), so its loss depends on the grouping."""
+    out = run_worker("learner_steps_worker.py", algorithm, tmp_path, "trainer.micro_batch_tokens=100000")
+    steps = json.loads(next(line for line in out.splitlines() if line.startswith("STEPS "))[len("STEPS "):])
+    for step, (got, want) in enumerate(zip(steps, RECORDED[algorithm], strict=True)):
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-4, abs=ABS_TOL.get(key, 1e-8)), f"step {step} {key}"

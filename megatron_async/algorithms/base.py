@@ -17,11 +17,21 @@ whole `config.Config` in `rules`) and never import `config`, which imports this 
 A new algorithm is one module with a subclass of `Algorithm` and one line in the registry
 (`algorithms/__init__.py`); the config's allowed `trainer.algorithm` values come from there.
 
-Padding rows: the last microbatch is filled with copies of row 0 that carry `row_weight` 0, so
-every microbatch has the same shape (pipeline buffers are fixed) and padding adds nothing to the
-loss or the gradients. The real rows of a microbatch are always its first `real_rows` rows. Each
-microbatch's loss is scaled so that the mean over microbatches (what the schedule computes) is the
-mean over real rows (pairs for DPO).
+Microbatches, two layouts (`microbatches`):
+- by rows (`trainer.micro_batch_tokens` 0, the default): `micro_batch_size` rows each, all padded to
+  the minibatch's longest row; the last is filled with copies of row 0 that carry `row_weight` 0, so
+  every microbatch has the same shape and padding rows add nothing to the loss or the gradients;
+- by a token budget (`micro_batch_tokens` N > 0): rows (pairs for DPO) sorted longest first and
+  grouped so that rows x the group's longest row <= N (and rows <= micro_batch_size), each
+  microbatch padded only to its own longest row, without padding rows. Shapes then differ between
+  microbatches (megatron exchanges them between pipeline stages: `variable_seq_lengths`,
+  learner/model.py), and a microbatch's rows are not in row order: `row_index` says where each
+  came from, and `real_rows_of` / `in_row_order` / `scatter_rows` put them back.
+The real rows of a microbatch are always its first `real_rows` rows. Each microbatch's loss is
+scaled (`loss_scale`) so that the mean over microbatches (what the schedule computes) is the mean
+over real rows (pairs for DPO), whatever the layout: the loss is the same function of the batch.
+A loss that averages over tokens within a microbatch (GRPO's token aggregation) weighs tokens per
+microbatch, as before, so its value depends on the grouping.
 
 Devices: microbatches are built on the learner's device, where the learner's logprobs and values
 come back, so batch preparation is one device's computation (no host sync either: statistics
@@ -34,7 +44,7 @@ from typing import Any, ClassVar, Iterable, Protocol
 
 import torch
 
-from megatron_async.algorithms.batching import Sample, collate
+from megatron_async.algorithms.batching import Sample, TrainBatch, collate
 from megatron_async.algorithms.losses import sequence_kl
 from megatron_async.algorithms.off_policy import Correction, behaviour_weights, sequence_weights, staleness_stats
 
@@ -83,43 +93,56 @@ class Algorithm:
         raise NotImplementedError
 
     def microbatches(self, rows: list[Sample], pad_id: int, micro_batch_size: int,
-                     device: torch.device | str | None = None) -> list[Microbatch]:
-        """Rows (from `select`) -> microbatches of one size on `device`: the fewest that hold the
-        rows at `micro_batch_size` rows each at most, their size evened out (rounded up to whole
-        pairs) so that padding rows are fewer than a pair per microbatch: 100 rows at 32 are 4 x 26,
-        not 4 x 32 with 28 padding rows, whose forward and backward would be wasted work.
+                     device: torch.device | str | None = None, max_tokens: int = 0) -> list[Microbatch]:
+        """Rows (from `select`) -> microbatches on `device` (module docstring: the two layouts).
+
+        By rows (`max_tokens` 0): the fewest microbatches that hold the rows at `micro_batch_size`
+        rows each at most, their size evened out (rounded up to whole pairs) so that padding rows
+        are fewer than a pair per microbatch: 100 rows at 32 are 4 x 26, not 4 x 32 with 28 padding
+        rows, whose forward and backward would be wasted work. By a token budget (`max_tokens` N):
+        `token_budget_groups`, each microbatch padded to its own longest row.
 
         Keys: input_ids, loss_mask (completion tokens), gen_logprobs (when the samples carry
-        them), rewards, row_weight, loss_scale, and real_rows (an int: rows before the padding).
+        them), rewards, row_weight, loss_scale, real_rows (an int: rows before the padding), and
+        under a token budget row_index (each row's position in `rows`).
         """
         if not rows:
             return []
         if self.pairwise and micro_batch_size % 2:
             micro_batch_size += 1  # a pair never straddles two microbatches
         per_unit = 2 if self.pairwise else 1
-        batch = collate(rows, pad_id)
-        n = len(rows)
-        n_mb = -(-n // micro_batch_size)
-        micro_batch_size = -(-n // (n_mb * per_unit)) * per_unit  # <= the configured size
-        index = torch.cat([torch.arange(n), torch.zeros(n_mb * micro_batch_size - n, dtype=torch.long)])
-        out = []
-        for m in range(n_mb):
-            sl = index[m * micro_batch_size:(m + 1) * micro_batch_size]
-            real = min(micro_batch_size, n - m * micro_batch_size)
-            mb = {
-                "input_ids": batch.input_ids[sl],
-                "loss_mask": batch.completion_mask[sl],
-                "rewards": batch.rewards[sl],
-                "row_weight": (torch.arange(micro_batch_size) < real).float(),
-                # mean over microbatches of (loss_mb * scale) == mean over all real rows / pairs
-                "loss_scale": torch.tensor((real // per_unit) * n_mb / (n // per_unit)),
-                "real_rows": real,
-            }
-            if batch.gen_logprobs is not None:
-                mb["gen_logprobs"] = batch.gen_logprobs[sl]
-            out.append({k: v.to(device) if isinstance(v, torch.Tensor) and device is not None else v
-                        for k, v in mb.items()})
-        return out
+        if max_tokens:
+            groups = token_budget_groups(rows, per_unit, micro_batch_size, max_tokens)
+            layout = [(collate([rows[i] for i in g], pad_id), torch.arange(len(g)), len(g), torch.tensor(g)) for g in groups]
+        else:
+            batch = collate(rows, pad_id)
+            n = len(rows)
+            n_mb = -(-n // micro_batch_size)
+            size = -(-n // (n_mb * per_unit)) * per_unit  # <= the configured size
+            index = torch.cat([torch.arange(n), torch.zeros(n_mb * size - n, dtype=torch.long)])
+            layout = [(batch, index[m * size:(m + 1) * size], min(size, n - m * size), None) for m in range(n_mb)]
+        n_units, n_mb = len(rows) // per_unit, len(layout)
+        return [self._microbatch(batch, sl, real, row_index, loss_scale=(real // per_unit) * n_mb / n_units, device=device)
+                for batch, sl, real, row_index in layout]
+
+    @staticmethod
+    def _microbatch(batch: TrainBatch, sl: torch.Tensor, real: int, row_index: torch.Tensor | None,
+                    loss_scale: float, device) -> Microbatch:
+        """Rows `sl` of `batch`, the first `real` of them real; `loss_scale`: mean over microbatches
+        of (loss_mb * scale) == mean over all real rows / pairs."""
+        mb = {
+            "input_ids": batch.input_ids[sl],
+            "loss_mask": batch.completion_mask[sl],
+            "rewards": batch.rewards[sl],
+            "row_weight": (torch.arange(len(sl)) < real).float(),
+            "loss_scale": torch.tensor(loss_scale),
+            "real_rows": real,
+        }
+        if batch.gen_logprobs is not None:
+            mb["gen_logprobs"] = batch.gen_logprobs[sl]
+        if row_index is not None:
+            mb["row_index"] = row_index
+        return {k: v.to(device) if isinstance(v, torch.Tensor) and device is not None else v for k, v in mb.items()}
 
     def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels, k: int,
                 old_from_training: bool = False) -> dict[str, torch.Tensor]:
@@ -213,13 +236,43 @@ def dp_shard(rows: list, unit: int, dp: int, dp_rank: int) -> list:
     return split_units(rows, unit, dp)[dp_rank]
 
 
+def token_budget_groups(rows: list[Sample], per_unit: int, max_rows: int, max_tokens: int) -> list[list[int]]:
+    """Row positions per microbatch under a token budget: units (`per_unit` consecutive rows, a DPO
+    pair) sorted longest first (ties in row order), each group filled while its rows x its longest
+    row <= `max_tokens` and its rows <= `max_rows`. A unit longer than the budget is a group of its own."""
+    units = [list(range(i, i + per_unit)) for i in range(0, len(rows), per_unit)]
+    length = {u[0]: max(len(rows[i].prompt_ids) + len(rows[i].completion_ids) for i in u) for u in units}
+    units.sort(key=lambda u: -length[u[0]])
+    groups: list[list[int]] = []
+    for unit in units:  # longest first: a group's first unit is its longest
+        group = groups[-1] if groups else None
+        if group is not None and len(group) + per_unit <= max_rows and (len(group) + per_unit) * length[group[0]] <= max_tokens:
+            group.extend(unit)
+        else:
+            groups.append(list(unit))
+    return groups
+
+
+def in_row_order(mbs: list[Microbatch], per_row: list[torch.Tensor]) -> torch.Tensor:
+    """Per-row tensors of each microbatch (`per_row[m]` for `mbs[m]`, padding rows included) -> the
+    real rows of all of them, concatenated in row order (the order of `select`'s rows)."""
+    values = torch.cat([x[:mb["real_rows"]] for mb, x in zip(mbs, per_row)])
+    if "row_index" not in mbs[0]:  # by rows: microbatches hold the rows in order
+        return values
+    ordered = torch.empty_like(values)
+    ordered[torch.cat([mb["row_index"] for mb in mbs]).to(values.device)] = values
+    return ordered
+
+
 def real_rows_of(mbs: list[Microbatch], key: str) -> torch.Tensor:
     """`mb[key]`'s real rows of every microbatch, concatenated in row order."""
-    return torch.cat([mb[key][:mb["real_rows"]] for mb in mbs])
+    return in_row_order(mbs, [mb[key] for mb in mbs])
 
 
 def scatter_rows(mbs: list[Microbatch], key: str, values: torch.Tensor) -> None:
     """Inverse of `real_rows_of`: per-row `values` into `mb[key]` of each microbatch, 0 on padding rows."""
+    if "row_index" in mbs[0]:
+        values = values[torch.cat([mb["row_index"] for mb in mbs]).to(values.device)]  # microbatch order
     start = 0
     for mb in mbs:
         n, b = mb["real_rows"], mb["input_ids"].shape[0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from megatron_async.algorithms.batching import Sample, group_samples
-from megatron_async.algorithms.base import Algorithm, LearnerModels, Microbatch, real_rows_of, scatter_rows
+from megatron_async.algorithms.base import Algorithm, LearnerModels, Microbatch, in_row_order, real_rows_of, scatter_rows
 from megatron_async.algorithms.losses import rloo_advantages, rloo_loss, sequence_kl
 
 
@@ -29,8 +29,7 @@ class RLOO(Algorithm):
         kls, regularised = [], []
         for mbs in minibatches:
             scores = real_rows_of(mbs, "rewards")
-            kl = torch.cat([sequence_kl(mb["gen_logprobs"], mb["ref_logprobs"], mb["loss_mask"])[:mb["real_rows"]]
-                            for mb in mbs])
+            kl = in_row_order(mbs, [sequence_kl(mb["gen_logprobs"], mb["ref_logprobs"], mb["loss_mask"]) for mb in mbs])
             scatter_rows(mbs, "advantages", rloo_advantages(scores - self.cfg.beta * kl, k))
             kls.append(kl.mean())
             regularised.append((scores - self.cfg.beta * kl).mean())

@@ -123,7 +123,7 @@ class PlainLearner:
         samples = [Sample.from_completion(c, r) for comps, rs in zip(batch.completions, batch.rewards)
                    for c, r in zip(comps, rs)]
         rows, _ = algo.select(samples, k)
-        minibatches = [algo.microbatches(part, self.pad_id, t.micro_batch_size)
+        minibatches = [algo.microbatches(part, self.pad_id, t.micro_batch_size, max_tokens=t.micro_batch_tokens)
                        for part in split_units(rows, algo.unit(k), t.minibatches)]
         algo.prepare(minibatches, self.models, k)
         policy, loss = self.models.policy, 0.0
@@ -167,38 +167,54 @@ def model_dir_for(name: str, out_dir: Path, smollm2_dir: str | None) -> tuple[Pa
     return path, [f"model.hf_path={path}"]
 
 
-def run_case(model: str, model_dir: Path, overrides: list[str], steps: int, profile: bool, seed: int) -> dict:
+def run_case(model: str, model_dir: Path, overrides: list[str], steps: int, profile: bool, seed: int,
+             micro_batch_tokens: int = 0) -> dict:
+    """Ours against plain, step by step in turn; with `micro_batch_tokens`, also ours under that token
+    budget ("budget": its seconds and padding against ours by rows, in the same run)."""
     cfg = load_config(CONFIGS[model], overrides)
     tokenizer = load_tokenizer(model_dir)
     layout = _LAYOUT["layout"]
     ours = LearnerState.build(cfg, model_dir, layout, tokenizer.pad_token_id)
+    variants = {"ours": ours}
+    if micro_batch_tokens:
+        budget_cfg = load_config(CONFIGS[model], [*overrides, f"trainer.micro_batch_tokens={micro_batch_tokens}"])
+        variants["budget"] = LearnerState.build(budget_cfg, model_dir, layout, tokenizer.pad_token_id)
     torch.manual_seed(seed)
     plain = PlainLearner(cfg, model_dir, tokenizer.pad_token_id)
     vocab = len(tokenizer)
     batches = [synthetic_batch(vocab, cfg.rollout.prompts_per_step, cfg.rollout.k, PROMPT_TOKENS[model],
                                cfg.rollout.max_new_tokens, seed + i) for i in range(steps + 1)]
     tokens = trained_tokens(ours, batches[0])
-    times = {"ours": [], "plain": []}
-    kernel = {"ours": [], "plain": []}  # (minor page faults, system CPU seconds) per step
-    for i, batch in enumerate(batches):  # alternate: ours, plain, ours, plain, ...; step 0 warms up
-        for name, step in (("ours", lambda: ours.step(batch, step=i, updates=cfg.trainer.updates_per_batch)),
-                           ("plain", lambda: plain.step(batch))):
+    times = {name: [] for name in (*variants, "plain")}
+    kernel = {name: [] for name in times}  # (minor page faults, system CPU seconds) per step
+    padding = {name: [] for name in variants}
+    for i, batch in enumerate(batches):  # alternate: ours, (budget,) plain, ours, ...; step 0 warms up
+        runs = [(name, lambda learner=learner: learner.step(batch, step=i, updates=cfg.trainer.updates_per_batch))
+                for name, learner in variants.items()]
+        for name, step in (*runs, ("plain", lambda: plain.step(batch))):
             before, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-            step()
+            out = step()
             seconds, after = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
             if i:
                 times[name].append(seconds)
                 kernel[name].append((after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime))
+                if name in padding:
+                    padding[name].append(out["train/padding_fraction"])
     ours_s, plain_s = statistics.median(times["ours"]), statistics.median(times["plain"])
     result = {"model": model, "algorithm": cfg.trainer.algorithm, "prompts": cfg.rollout.prompts_per_step,
               "k": cfg.rollout.k, "micro_batch_size": cfg.trainer.micro_batch_size, "overrides": overrides,
               "trained_tokens_per_step": tokens, "ours_s": ours_s, "plain_s": plain_s,
               "ratio": ours_s / plain_s, "ours_tokens_per_s": tokens / ours_s, "plain_tokens_per_s": tokens / plain_s,
               "ours_all_s": times["ours"], "plain_all_s": times["plain"],
+              "ours_padding_fraction": statistics.mean(padding["ours"]),
               # where wall time exceeds operator time: first touch of freshly mapped memory (large
               # tensors are mmap'd and returned to the OS on free, so every step faults them in again)
               **{f"{name}_{what}": statistics.median(k[j] for k in kernel[name])
                  for name in kernel for j, what in enumerate(("minor_faults", "system_s"))}}
+    if "budget" in variants:
+        budget_s = statistics.median(times["budget"])
+        result.update({"micro_batch_tokens": micro_batch_tokens, "budget_s": budget_s, "budget_all_s": times["budget"],
+                       "budget_over_ours": budget_s / ours_s, "budget_padding_fraction": statistics.mean(padding["budget"])})
     if profile:
         extra = synthetic_batch(vocab, cfg.rollout.prompts_per_step, cfg.rollout.k, PROMPT_TOKENS[model],
                                 cfg.rollout.max_new_tokens, seed + 1000)
@@ -222,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--learner-cpus", default="", help="pin as parallel.learner_cpus (default: unpinned)")
     p.add_argument("--smollm2-dir", default=None, help="an exported SmolLM2-135M-Instruct (default: export one)")
     p.add_argument("--profile", action="store_true", help="add torch.profiler tables of one step of each")
+    p.add_argument("--micro-batch-tokens", type=int, default=0,
+                   help="also time our step under this token budget (trainer.micro_batch_tokens), in the same run")
     p.add_argument("--out-dir", default="runs/bench_learner")
     p.add_argument("overrides", nargs="*", help="section.key=value for every case")
     args = p.parse_args(argv)
@@ -242,13 +260,17 @@ def main(argv: list[str] | None = None) -> int:
             for prompts in sizes:
                 overrides = [*model_overrides, f"trainer.algorithm={algorithm}", f"rollout.prompts_per_step={prompts}",
                              f"run.out_dir={out_dir}", *([f"rollout.k={args.k}"] if args.k else []), *args.overrides]
-                case = run_case(model, model_dir, overrides, args.steps, args.profile, seed=0)
+                case = run_case(model, model_dir, overrides, args.steps, args.profile, seed=0,
+                                micro_batch_tokens=args.micro_batch_tokens)
                 report["cases"].append(case)
                 print(f"{model:8s} {algorithm:11s} {prompts:3d} prompts x K={case['k']}: ours {case['ours_s']:.3f} s "
                       f"({case['ours_tokens_per_s']:.0f} tok/s), plain {case['plain_s']:.3f} s "
                       f"({case['plain_tokens_per_s']:.0f} tok/s), ratio {case['ratio']:.2f}; page faults / system "
                       f"s per step: ours {case['ours_minor_faults']:.0f} / {case['ours_system_s']:.2f}, plain "
-                      f"{case['plain_minor_faults']:.0f} / {case['plain_system_s']:.2f}", flush=True)
+                      f"{case['plain_minor_faults']:.0f} / {case['plain_system_s']:.2f}; padding {case['ours_padding_fraction']:.2f}"
+                      + (f"; token budget {args.micro_batch_tokens}: {case['budget_s']:.3f} s ({case['budget_over_ours']:.2f} "
+                         f"of ours), padding {case['budget_padding_fraction']:.2f}" if args.micro_batch_tokens else ""),
+                      flush=True)
                 atomic_write_text(out_dir / "bench_learner.json", json.dumps(report, indent=1))
     report["load_avg_end"] = os.getloadavg()
     atomic_write_text(out_dir / "bench_learner.json", json.dumps(report, indent=1))

@@ -171,12 +171,13 @@ def seq_multiple(chunks: list) -> int:
     return config.tensor_model_parallel_size if config.sequence_parallel else 1
 
 
-def _forward_step(data_iterator, model, *, loss_fn: LossFn, per_token: Callable, run_len: int):
+def _forward_step(data_iterator, model, *, loss_fn: LossFn, per_token: Callable, multiple: int):
     mb = next(data_iterator)
     device = next(model.parameters()).device
     mb = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
     tokens = mb["input_ids"]
     b, s = tokens.shape
+    run_len = -(-s // multiple) * multiple
     if run_len > s:  # sequence parallelism: pad to a multiple of TP; cut off again before the loss
         tokens = torch.nn.functional.pad(tokens, (0, run_len - s))
     position_ids = torch.arange(run_len, device=device).expand(b, run_len)
@@ -196,14 +197,17 @@ def _loss_on_last_stage(mb: dict, tokens: torch.Tensor, gpt, output: torch.Tenso
     return loss, metrics
 
 
-def _check_microbatches(microbatches: list[dict]) -> tuple[int, int]:
+def _largest_microbatch(microbatches: list[dict], chunks) -> tuple[int, int]:
+    """[batch, seq] of the largest microbatch. Shapes may differ (trainer.micro_batch_tokens) where
+    the model's config exchanges them between pipeline stages (`variable_seq_lengths`, on for PP > 1)."""
     if not microbatches:
         raise ValueError("no microbatches")
     shapes = {tuple(mb["input_ids"].shape) for mb in microbatches}
-    if len(shapes) != 1:
-        raise ValueError(f"all microbatches must share one [batch, seq] shape (pipeline buffers are fixed); got {sorted(shapes)}")
-    (b, s), = shapes
-    return b, s
+    config = unwrap_model(chunks[0]).config
+    if len(shapes) > 1 and config.pipeline_model_parallel_size > 1 and not config.variable_seq_lengths:
+        raise ValueError(f"microbatches of different [batch, seq] shapes {sorted(shapes)} need the model's "
+                         f"variable_seq_lengths under pipeline parallelism (learner/model.py)")
+    return max(b for b, _ in shapes), max(s for _, s in shapes)
 
 
 def _reduce_metrics(store: list[dict], device) -> dict[str, float]:
@@ -249,13 +253,13 @@ def forward_backward(model: LearnerModel, microbatches: list[dict], loss_fn: Los
                        vocab_size=model.arch.vocab_size,  # padding rows masked
                        chunk_bytes=model.logits_chunk_bytes)
 
-    b, s = _check_microbatches(microbatches)
+    b, s = _largest_microbatch(microbatches, chunks)
     multiple = seq_multiple(chunks)
-    run_len = -(-s // multiple) * multiple
+    run_len = -(-s // multiple) * multiple  # the schedule's seq_length: p2p shapes where they do not vary
     grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
     with grad_ctx:
         store = get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, loss_fn=loss_fn, per_token=per_token, run_len=run_len),
+            forward_step_func=partial(_forward_step, loss_fn=loss_fn, per_token=per_token, multiple=multiple),
             data_iterator=iter(microbatches),
             model=chunks,
             num_microbatches=len(microbatches),

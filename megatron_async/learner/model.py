@@ -226,6 +226,9 @@ def transformer_config(arch: LlamaArch, tp: int = 1, pp: int = 1, dtype: torch.d
         # call torch.cuda.synchronize (cpu-stack.md).
         batch_p2p_sync=cuda,
         # HF LLaMA uses the full attention-score precision; keep softmax in fp32.
+        # Microbatches may differ in shape (trainer.micro_batch_tokens): between pipeline stages megatron
+        # then sends each activation's shape (3 integers) before it.
+        variable_seq_lengths=pp > 1,
         attention_softmax_in_fp32=True,
     )
 

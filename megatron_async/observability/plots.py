@@ -12,7 +12,8 @@ def plot_training(history: list[dict], out: str | os.PathLike, title: str = "",
                   held_out: list[tuple[int, float]] = ()) -> Path:
     """Six panels by learner step: reward (and `held_out`: the held-out greedy metric as (step, value)
     after that step's weights, step -1 = before training), KL to the reference, loss (and the
-    fraction of weights each sync changed), time per step by phase, the staleness monitor (KL
+    fraction of weights each sync changed), time per step by phase (and the learner's padding
+    fraction), the staleness monitor (KL
     generator -> learner, ESS) and the lag (measured, and the bound in force)."""
     import matplotlib  # heavy, and only needed when a plot is written
 
@@ -50,8 +51,12 @@ def plot_training(history: list[dict], out: str | os.PathLike, title: str = "",
         ax.bar(steps, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.plot(steps, series("timing/generation_s"), "k.--", label="generation (replicas)")
-    ax.set_title("seconds per learner step")
+    ax.set_title("seconds per learner step, and the learner's padding")
     ax.legend(fontsize=8)
+    padding = ax.twinx()
+    padding.plot(steps, series("train/padding_fraction"), "r:", label="padding fraction of microbatch tokens")
+    padding.set_ylim(0, 1.05)
+    padding.legend(fontsize=8, loc="lower right")
     ax = axes[0, 2]
     ax.plot(steps, series("staleness/kl_k3_mean"), marker=".", color="tab:purple", label="mean")
     ax.plot(steps, series("staleness/kl_k3_max"), marker=".", color="tab:purple", alpha=0.4, label="max")

@@ -129,7 +129,10 @@ class LearnerState:
         metrics.update({"train/rows": float(len(rows)), "train/rows_this_dp_rank": float(sum(map(len, parts))),
                         # prompt + completion tokens, counted once per pass (not the microbatches' padding)
                         "train/tokens": float(updates * sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows))})
-        minibatches = [algo.microbatches(part, self.pad_id, t.micro_batch_size, self.layout.device) for part in parts]
+        minibatches = [algo.microbatches(part, self.pad_id, t.micro_batch_size, self.layout.device, t.micro_batch_tokens)
+                       for part in parts]
+        real_tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for part in parts for r in part)
+        metrics["train/padding_fraction"] = 1 - real_tokens / sum(mb["input_ids"].numel() for mbs in minibatches for mb in mbs)
         # One optimizer step: the staleness monitor reads the learner's logprobs off its training forward
         old_from_training = algo.monitor_from_training(minibatches, updates)
         metrics.update({key: float(v) for key, v in algo.prepare(minibatches, self, k, old_from_training).items()})
