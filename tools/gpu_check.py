@@ -6,8 +6,10 @@ Every JSON has "phase", "status" ("ok", "skipped" with "reason", or "failed" wit
 "seconds". `--dry-run` runs the same code at tiny sizes on whatever device there is (CPU in CI), so
 the script cannot rot between GPU runs; numbers from a dry run mean nothing.
 
-Phases: env, fork_probe, gpu_tests, learner_bench, weights_bench, batch_prep, vllm, te (see
-launch/gpu_check.sh for what each checks and why).
+Phases: env, fork_probe, gpu_tests, learner_bench, weights_bench, weight_wire, batch_prep, vllm, te
+(see launch/gpu_check.sh for what each checks and why). The script passes its work folder as DIR
+and, after each phase, packs all of DIR into the one archive and one summary it hands back
+(tools/gpu_check_pack.py).
 """
 from __future__ import annotations
 
