@@ -16,10 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tarfile
 from pathlib import Path
 
-PHASES = ("env", "fork_probe", "gpu_tests", "learner_bench", "weights_bench", "weight_wire", "batch_prep", "vllm", "te")
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_check import PHASES  # noqa: E402 - tools/ is no package: the phases' list, from its one home
+
 ARCHIVE = "gpu_check.tar.gz"
 SUMMARY = "summary.json"
 TOP = "gpu_check"  # the archive's one top-level folder: unpacks as gpu_check/<phase>.json, ...
