@@ -5,6 +5,7 @@
     megatron-async bench rollout [bench/rollout.py arguments]   # replica start-up, tokens/s, sync seconds
     megatron-async bench learner [bench/learner.py arguments]   # our learner step vs plain PyTorch
     megatron-async bench lm-head [CHUNK_MB ...]                 # the LM head alone, whole vs chunked
+    megatron-async bench sync-profile [--models tiny smollm2]    # a replica's side of a sync, per phase
 
 `async`: the same config, seeds and steps are trained with rollout.max_lag=0 (synchronous
 baseline) and max_lag=1 (one-step off-policy), each as a subprocess `python -m megatron_async
@@ -566,6 +567,8 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("lm-head", help="the LM head's logprobs alone, whole against chunked (bench/lm_head.py; "
                                    "chunk sizes in MB follow)", add_help=False)
+    sub.add_parser("sync-profile", help="a replica's side of a weight sync, per phase and bucket, in this process "
+                                        "(bench/sync_profile.py)", add_help=False)
     return p
 
 
@@ -573,7 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
 # bench.learner and bench.lm_head import megatron-core, which async and sweep (they only start
 # `megatron-async train` subprocesses) never need.
 OWN_ARGUMENTS = {"rollout": "megatron_async.bench.rollout", "learner": "megatron_async.bench.learner",
-                 "lm-head": "megatron_async.bench.lm_head"}
+                 "lm-head": "megatron_async.bench.lm_head", "sync-profile": "megatron_async.bench.sync_profile"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
-"""Profile the receiving end of a weight sync: where a replica's seconds go, per phase and per bucket.
+"""`megatron-async bench sync-profile`: the receiving end of a weight sync, where a replica's seconds go, per phase and per bucket.
 
-    .venv/bin/python tools/profile_weight_sync.py --models tiny smollm2 --syncs 4 --out profile_weight_sync.json
+    megatron-async bench sync-profile --models tiny smollm2 --syncs 4 --out profile_weight_sync.json
 
 One vLLM engine in this process (single-process mode, the replicas' flags: fp32 by default,
 `--dtype bfloat16` to compare), built with our `mas_cpu` weight-transfer engine. The sender's
@@ -28,23 +28,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker in this process: its model is reachable
+import torch
 
-import torch  # noqa: E402
+from megatron_async.bench.rollout import prepare
+from megatron_async.io_utils import atomic_write_text
+from megatron_async.weights.buckets import iter_buckets
+from megatron_async.weights.shm import ShmSegment
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from megatron_async.bench.rollout import prepare  # noqa: E402
-from megatron_async.weights.buckets import iter_buckets  # noqa: E402
-from megatron_async.weights.shm import ShmSegment  # noqa: E402
+# NOTE: set when this module is imported (`bench` imports it for this subcommand only), before vLLM
+# is: the engine's worker runs in this process, so its model is reachable for the timers
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 TIMED = defaultdict(float)  # phase -> seconds, for the sync being measured
 
@@ -160,16 +159,16 @@ def profile_model(name: str, model_dir: Path, args) -> dict:
             "syncs": syncs}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="megatron-async bench sync-profile", description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["tiny", "smollm2"])
     p.add_argument("--syncs", type=int, default=4)
     p.add_argument("--bucket-mb", type=int, default=64)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default="profile_weight_sync.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="profile-wsync-"))
-    results = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "models": []}
+    results = {"command": " ".join(["megatron-async bench sync-profile", *argv]), "models": []}
     for name in args.models:
         model_dir = prepare(name, work)
         if model_dir is None:
@@ -178,9 +177,6 @@ def main() -> None:
         r = profile_model(name, model_dir, args)
         results["models"].append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "syncs"}, indent=1), flush=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    atomic_write_text(Path(args.out), json.dumps(results, indent=1))
     print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0
