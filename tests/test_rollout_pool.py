@@ -33,7 +33,7 @@ from megatron_async.cluster.cpu_affinity import replica_pin_env
 from megatron_async.rollout import PoolError, ReplicaPool, ReplicaSpec, Sampling
 from megatron_async.rollout.launcher import free_port
 from megatron_async.rollout.pool import GENERATE_ROUTE
-from megatron_async.rollout.replica import auth_headers, server_command, server_entry, server_env
+from megatron_async.rollout.replica import ReplicaClient, auth_headers, server_command, server_entry, server_env
 from tests.rollout_fixtures import LOGPROB_TOL, gone, max_logprob_diff, process_tree, resync, spec, sync, wait_for
 
 PROMPTS = [[1, 5 + i, 6, 7 + 2 * i][: 2 + i % 3] for i in range(12)]
@@ -97,9 +97,9 @@ def test_a_dropped_connection_to_a_replica_that_still_answers_is_only_requeued(t
         def log_message(self, *args):
             pass
 
-        def answer(self, body: dict) -> None:
+        def answer(self, body: dict, status: int = 200) -> None:
             data = json.dumps(body).encode()
-            self.send_response(200)
+            self.send_response(status)
             self.send_header("content-type", "application/json")
             self.send_header("content-length", str(len(data)))
             self.end_headers()
@@ -111,7 +111,9 @@ def test_a_dropped_connection_to_a_replica_that_still_answers_is_only_requeued(t
             self.answer({"weight_version": "0"} if self.path == "/weight_info" else {})
 
         def do_POST(self):
-            json.loads(self.rfile.read(int(self.headers["content-length"])) or b"{}")
+            body = json.loads(self.rfile.read(int(self.headers["content-length"])) or b"{}")
+            if self.path == GENERATE_ROUTE and not body:  # the pool's start-up probe: an invalid request
+                return self.answer({"detail": "invalid"}, 422)
             if self.path == GENERATE_ROUTE and not dropped:
                 dropped.append(1)
                 self.connection.shutdown(2)  # no answer at all: the client sees the connection break
@@ -139,7 +141,8 @@ def stand_in(answer, server_info: dict | None = OUR_SERVER_INFO, scale_out: bool
     """A stand-in replica (stdlib HTTP server in a thread, not vLLM): `answer(method, path)` gives
     (status, json body) per request; yields (url, calls), calls = [(method, path, query)] in order.
     The pool's start-up probe is answered apart, not in `calls`: `server_info` at /server_info (None:
-    404, no dev mode), and a GET of the token-in route 405 (mounted) or, without `scale_out`, 404."""
+    404, no dev mode), and an empty request to the token-in route 422 (it serves) or, without
+    `scale_out`, 403 (vLLM's answer where --enable-scale-out is off)."""
     calls = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -147,13 +150,12 @@ def stand_in(answer, server_info: dict | None = OUR_SERVER_INFO, scale_out: bool
             pass
 
         def reply(self, method):
-            if method == "POST":
-                self.rfile.read(int(self.headers.get("content-length") or 0))
+            sent = self.rfile.read(int(self.headers.get("content-length") or 0)) if method == "POST" else b""
             url = urlsplit(self.path)
             if method == "GET" and url.path == "/server_info":  # the pool's start-up probe
                 status, body = (404, {}) if server_info is None else (200, server_info)
-            elif method == "GET" and url.path == GENERATE_ROUTE:
-                status, body = (405, {}) if scale_out else (404, {})
+            elif url.path == GENERATE_ROUTE and sent == b"{}":  # the probe's invalid request
+                status, body = (422, {}) if scale_out else (403, {})
             else:
                 calls.append((method, url.path, url.query))
                 status, body = answer(method, url.path)
@@ -521,11 +523,25 @@ def test_killed_replica_loses_no_prompt_and_serves_again_only_with_current_weigh
 
 
 @pytest.mark.integration
+def test_our_replicas_have_what_the_start_up_probe_asks_of_a_server_started_elsewhere(pool):
+    """The probe `ReplicaPool` runs on rollout.replica_urls servers finds nothing missing on a real
+    replica of ours (dev mode, the mas_cpu engine in its /server_info, the token-in route refusing
+    an empty request as invalid) and names our engine when asked for another."""
+    client = ReplicaClient(pool.urls[0], pool.key, timeout_s=30)
+    try:
+        assert client.missing_for("mas_cpu") == []
+        assert client.missing_for("mas_gloo") == ["the weight-transfer engine 'mas_gloo' (it runs 'mas_cpu': stock "
+                                                  "vLLM's engines do not take the fields ours add, keep and verify)"]
+    finally:
+        client.close()
+
+
+@pytest.mark.integration
 def test_a_stock_vllm_server_given_as_a_url_is_refused_at_start_naming_what_it_lacks(models, tmp_path):
     """A real vLLM server started the way its docs say, without this package: no plugin loaded
     (VLLM_PLUGINS names none of ours), vLLM's own NCCL engine, dev mode on, no --enable-scale-out,
     vLLM's own key check. Given as rollout.replica_urls, the pool refuses it at start-up from what
-    the server reports (its /server_info, a 404 for the token-in route) instead of a 500 per bucket."""
+    the server reports (its /server_info, a 403 from the token-in route) instead of a 500 per bucket."""
     port = free_port("127.0.0.1")
     cmd = [*server_entry(), "--model", str(models[0]), "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20), "--enforce-eager",

@@ -221,8 +221,9 @@ class ReplicaClient:
         updates, from what it reports itself ([] when nothing): vLLM's dev-mode routes (the
         weight-transfer phases are mounted only there; `/server_info` is one of them), our engine
         `backend` in its weight-transfer config (stock vLLM's engines do not know the fields ours
-        add, `keep` and `verify`), and the token-in route (`--enable-scale-out`: a GET of that
-        POST route answers 405 where it is mounted, 404 where not)."""
+        add, `keep` and `verify`), and the token-in route (`--enable-scale-out`: a request with
+        an empty body is refused as invalid, 422, where the route serves; vLLM answers 403 where
+        it is disabled, and an older vLLM 404)."""
         missing = []
         try:  # NOTE: its first answer collects the server's environment (pip, compilers): seconds, once
             info = self.request("GET", "/server_info", params={"config_format": "json"}, timeout_s=max(self.timeout_s, 120.0))
@@ -237,11 +238,11 @@ class ReplicaClient:
                 missing.append(f"the weight-transfer engine {backend!r} (it runs {transfer.get('backend')!r}: stock vLLM's "
                                f"engines do not take the fields ours add, keep and verify)")
         try:
-            self.request("GET", GENERATE_ROUTE)
+            self.request("POST", GENERATE_ROUTE, json={})
         except ReplicaError as e:
-            if e.status == 404:
+            if e.status in (403, 404):
                 missing.append(f"the token-in route {GENERATE_ROUTE} (--enable-scale-out)")
-            elif e.status != 405:
+            elif e.status not in (400, 422):
                 raise
         return missing
 
