@@ -82,7 +82,11 @@ class RunConfig:
     name: str = opt("run", "run name; outputs go to <out_dir>/<name>")
     out_dir: str = opt("runs", "parent folder of run directories")
     seed: int = opt(1234, "seeds data order, sampling and initialisation")
-    resume: bool = opt(False, "continue from <run dir>/checkpoints/latest")
+    resume: bool = opt(False, "continue from <run dir>/checkpoints/latest (or run.resume_from)")
+    resume_from: str = opt("",
+        "with run.resume (--resume): the checkpoint to continue from instead of the latest, e.g. step_000010 "
+        "(a folder under <run dir>/checkpoints) or a path; what the preflight names when the latest is "
+        "corrupt (docs/checkpoints.md). Later checkpoints of the run are removed at its first save.")
 
 
 @dataclass

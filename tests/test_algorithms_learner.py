@@ -115,7 +115,8 @@ def test_ppo_refuses_a_reward_model_it_cannot_start_the_value_model_from(tiny_ck
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "num_attention_heads": 4}))
     with pytest.raises(ConfigError, match=r"'reward.model_path'.*model_type 'gpt2' is not supported"):
         preflight(load_config(None, [*ppo, f"reward.model_path={gpt2}"]))
-    preflight(load_config(None, ["reward.kind=reward_model", f"reward.model_path={gpt2}"]))  # fine when it only scores
+    with pytest.raises(ConfigError, match=r"'reward.model_path'.*no \*ForSequenceClassification"):  # nor to score
+        preflight(load_config(None, ["reward.kind=reward_model", f"reward.model_path={gpt2}"]))
     other_vocab = tmp_path / "rm_vocab"
     other_vocab.mkdir()
     rm_config = json.loads((tiny_rm / "config.json").read_text())

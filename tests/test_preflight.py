@@ -278,6 +278,182 @@ def test_bf16_replicas_on_a_cpu_that_emulates_bf16_are_warned_about(monkeypatch,
         assert ("vLLM emulates bf16" in caplog.text) == warned, (flags, dtype, caplog.text)
 
 
+def test_data_that_is_not_utf8_is_refused_naming_file_line_and_byte(tmp_path):
+    """A Latin-1 export (an e-acute as the one byte 0xe9): not a raw UnicodeDecodeError without a file."""
+    first = (GOOD + "\n").encode()
+    latin1 = tmp_path / "train.jsonl"
+    latin1.write_bytes(first + '{"question": "Caf\xe9 sells 3 cakes. How many?", "answer": "#### 3"}\n'.encode("latin-1"))
+    offset = len(first) + len('{"question": "Caf')
+    with pytest.raises(ConfigError, match=rf"key 'data.train' = '{latin1}': {latin1} line 2: not UTF-8 \(invalid "
+                                          rf"continuation byte: byte 0xe9 at byte offset {offset}, byte 18 of the line\); "
+                                          r"data files must be UTF-8 text"):
+        preflight(load_config(None, [f"data.train={latin1}"]))
+    array = tmp_path / "test.json"
+    data = b'[\n  {"question": "a?", "answer": "#### 1"},\n  {"question": "\xff?", "answer": "#### 2"}\n]'
+    array.write_bytes(data)
+    with pytest.raises(ConfigError, match=rf"key 'data.eval' = '{array}': {array} line 3: not UTF-8 \(invalid start "
+                                          rf"byte: byte 0xff at byte offset {data.index(0xff)}, byte 17 of the line\)"):
+        preflight(load_config(None, [f"data.eval={array}"]))
+    latin1.write_text(GOOD + "\n" + json.dumps({"question": "Café sells 3 cakes?", "answer": "#### 3"}, ensure_ascii=False))
+    preflight(load_config(None, [f"data.train={latin1}"]))  # the same text in UTF-8
+
+
+@pytest.fixture(scope="module")
+def reward_model(hf_model, tmp_path_factory) -> Path:
+    """A tiny LlamaForSequenceClassification (one label, a pad token) with hf_model's tokenizer."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    out = tmp_path_factory.mktemp("rm")
+    hf = json.loads((hf_model / "config.json").read_text())
+    cfg = LlamaConfig(vocab_size=hf["vocab_size"], hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=hf["pad_token_id"], num_labels=1)
+    LlamaForSequenceClassification(cfg).save_pretrained(str(out), safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(hf_model / name, out / name)
+    return out
+
+
+def test_a_reward_model_folder_that_is_not_one_is_refused_saying_what_it_needs(reward_model, hf_model, tmp_path):
+    """Not transformers' "You need to have sentencepiece or tiktoken installed" after torchrun started,
+    nor a causal LM scored through a random head: what is missing, and what the folder must hold."""
+    needs = r"a reward model folder holds config.json naming a \*ForSequenceClassification architecture"
+
+    def refused(folder, expect: str):
+        with pytest.raises(ConfigError, match=rf"key 'reward.model_path' = '{folder}': {expect}"):
+            preflight(load_config(None, ["reward.kind=reward_model", f"reward.model_path={folder}"]))
+
+    preflight(load_config(None, ["reward.kind=reward_model", f"reward.model_path={reward_model}"]))
+    refused(tmp_path / "none", f"directory not found; {needs}")
+    (tmp_path / "run").mkdir()
+    refused(tmp_path / "run", f"no config.json in it: not an HF model folder; {needs}")
+    refused(hf_model, rf"config.json names architectures \['LlamaForCausalLM'\], no \*ForSequenceClassification: not a "
+                      rf"reward model .*; {needs}")
+    broken = {name: shutil.copytree(reward_model, tmp_path / name) for name in ("labels", "weights", "tokenizer")}
+    config = json.loads((reward_model / "config.json").read_text())
+    (broken["labels"] / "config.json").write_text(json.dumps({**config, "id2label": {"0": "bad", "1": "good"}}))
+    refused(broken["labels"], r"config.json has num_labels=2 .*, expected 1")
+    (broken["weights"] / "model.safetensors").unlink()
+    refused(broken["weights"], r"has no \*.safetensors weights")
+    (broken["tokenizer"] / "tokenizer.json").unlink()
+    refused(broken["tokenizer"], rf"no tokenizer in {broken['tokenizer']}: tokenizer.json missing")
+
+
+def listener_after_a_free_port() -> socket.socket:
+    """A listening socket on a port P whose port P - 1 is free (other tests' servers come and go)."""
+    for _ in range(100):
+        taken = socket.create_server(("127.0.0.1", 0))
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("127.0.0.1", taken.getsockname()[1] - 1))
+                return taken
+            except OSError:
+                taken.close()
+    raise RuntimeError("no free port below a listening one in 100 tries")
+
+
+def test_a_replica_port_another_process_holds_is_refused_naming_the_replica(monkeypatch):
+    """rollout.base_port + i for replica i: found by binding it here, not as Errno 98 from rank 0."""
+    with listener_after_a_free_port() as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"key 'rollout.base_port' = {port - 1}: port {port} on 127.0.0.1, which "
+                                              r"replica 1 of rollout.num_replicas=2 would listen on \(base_port \+ 1\), is "
+                                              r"not free: another process listens there"):
+            preflight(load_config(None, [f"rollout.base_port={port - 1}", "rollout.num_replicas=2"]))
+        with pytest.raises(ConfigError, match=rf"port {port} on 127.0.0.1, which replica 0 "):
+            preflight(load_config(None, [f"rollout.base_port={port}"]))
+        monkeypatch.setenv("RANK", "1")  # another rank's preflight: rank 0's starts the replicas
+        preflight(load_config(None, [f"rollout.base_port={port}"]))
+    monkeypatch.delenv("RANK")
+    preflight(load_config(None, [f"rollout.base_port={port}"]))  # free again
+
+
+def write_checkpoint(cfg, step: int, arch: dict, value_arch: dict | None = None) -> Path:
+    """A run checkpoint's folder as `run.checkpoint.save_run_checkpoint` leaves it, for the preflight
+    (which reads its manifest and files, not the tensors): manifest.json with the saved architecture
+    and every file's sha256, and `latest` naming it."""
+    from megatron_async.learner.checkpoint import FORMAT, MANIFEST, _checksums
+    from megatron_async.run.checkpoint import ROLLOUT_STATE, checkpoint_root
+
+    def manifest(folder: Path, arch: dict) -> None:
+        (folder / "dist").mkdir(parents=True)
+        (folder / "dist" / "__0_0.distcp").write_bytes(os.urandom(4096))
+        (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "arch": arch, "has_optimizer": True,
+                                                   "extra": {"next_step": step}, "files": _checksums(folder)}))
+
+    path = checkpoint_root(cfg) / f"step_{step:06d}"
+    if value_arch is not None:
+        manifest(path / "value", value_arch)
+    (path / ROLLOUT_STATE).parent.mkdir(parents=True, exist_ok=True)
+    (path / ROLLOUT_STATE).write_text(json.dumps({"next_step": step}))
+    manifest(path, arch)
+    (checkpoint_root(cfg) / "latest").write_text(path.name)
+    return path
+
+
+def tiny_arch(model_overrides: list[str]) -> dict:
+    """The architecture (as a manifest stores it) of the tiny model these model.tiny_* overrides build."""
+    from megatron_async.models.base_model import tiny_spec
+    from megatron_async.models.tiny import llama_config
+
+    spec = tiny_spec(load_config(None, model_overrides).model)
+    return json.loads(json.dumps(read_arch(llama_config(spec, 1024, 1, 2, 0).to_dict()).to_dict()))
+
+
+def test_resume_with_another_model_size_is_refused_naming_the_keys(tmp_path, hf_model, edited_model):
+    """The issue's case: model.tiny_hidden_size 128 -> 256 was a KeyError about optimizer.state.exp_avg
+    from rank 0; found from the checkpoint's manifest, naming the key, its value and the saved one."""
+    run = [f"run.out_dir={tmp_path}", "run.resume=true"]
+    write_checkpoint(load_config(None, run), 2, tiny_arch([]))
+    preflight(load_config(None, run))
+    with pytest.raises(ConfigError, match=r"key 'model.tiny_hidden_size' = 256 but the checkpoint's model has "
+                                          r"hidden_size 128; key 'model.tiny_layers' = 2 but the checkpoint's model has "
+                                          rf"num_layers 4; cannot resume from {tmp_path}/run/checkpoints/step_000002: "
+                                          r"resume with the model it was saved with, or start a new run"):
+        preflight(load_config(None, [*run, "model.tiny_hidden_size=256", "model.tiny_layers=2"]))
+    model = edited_model()
+    hf_run = [*run, "run.name=hf", model]
+    write_checkpoint(load_config(None, hf_run), 1, json.loads(json.dumps(read_arch(hf_model).to_dict())))
+    preflight(load_config(None, hf_run))
+    with pytest.raises(ConfigError, match=rf"key 'model.hf_path' = '{tmp_path}/edited': its config.json has "
+                                          r"intermediate_size 48 \(the checkpoint's: 64\); cannot resume"):
+        preflight(load_config(None, [*run, "run.name=hf", edited_model(intermediate_size=48)]))
+    with pytest.raises(ConfigError, match=r"key 'trainer.algorithm' = 'ppo' trains a value model, and the checkpoint "
+                                          r"has none \(value/\)"):
+        preflight(load_config(None, [*run, "trainer.algorithm=ppo"]))
+
+
+def test_resume_from_a_corrupt_checkpoint_names_the_newest_intact_one(tmp_path):
+    """The latest checkpoint's file does not match its manifest: refused before launch (not a ValueError
+    from rank 0), naming the file, the intact checkpoint beside it and the override that resumes from it."""
+    from megatron_async.run.checkpoint import resume_checkpoint
+
+    run = [f"run.out_dir={tmp_path}", "run.resume=true"]
+    cfg = load_config(None, run)
+    first, latest = (write_checkpoint(cfg, step, tiny_arch([])) for step in (10, 20))
+    with open(latest / "dist" / "__0_0.distcp", "r+b") as f:
+        f.write(b"\0")  # one byte: a bad sector, a copy cut short and padded
+    with pytest.raises(ConfigError, match=rf"key 'run.resume' = True: cannot resume from {latest}: checkpoint {latest}: "
+                                          r"file dist/__0_0.distcp is corrupt \(sha256 differs from the manifest\); the "
+                                          rf"newest intact checkpoint is {first} \(step 10\): resume from it with "
+                                          r"--resume run.resume_from=step_000010 \(the steps after it are trained again\)"):
+        preflight(cfg)
+    again = load_config(None, [*run, "run.resume_from=step_000010"])
+    preflight(again)
+    assert resume_checkpoint(again) == first
+    assert resume_checkpoint(load_config(None, [*run, f"run.resume_from={first}"])) == first  # a path
+    with pytest.raises(ConfigError, match=r"key 'run.resume_from' = 'step_000010': is read only when resuming: add "
+                                          r"--resume"):
+        preflight(load_config(None, [f"run.out_dir={tmp_path}", "run.resume_from=step_000010"]))
+    with pytest.raises(ConfigError, match=rf"key 'run.resume_from' = 'step_000030': {first.parent}/step_000030 not "
+                                          r"found \(this run's checkpoints: step_000010, step_000020\)"):
+        preflight(load_config(None, [*run, "run.resume_from=step_000030"]))
+    (first / "rollout_state.json").unlink()
+    with pytest.raises(ConfigError, match=r"file rollout_state.json listed in the manifest is missing; no intact "
+                                          rf"checkpoint is left in {first.parent}: start again without --resume"):
+        preflight(load_config(None, [*run, "run.resume_from=step_000010"]))
+
+
 # --------------------------------------------------------------------------- the command line
 
 

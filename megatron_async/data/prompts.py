@@ -69,11 +69,27 @@ def _to_problem(row: Any, where: str, default_id: str, question_key: str, answer
     return Problem(id=pid, question=question, solution=solution, answer=answer)
 
 
+def _utf8(data: bytes, path: Path, first_line: int = 1, file_offset: int = 0) -> str:
+    """`data`, bytes of `path` starting at line `first_line` and byte `file_offset`, decoded as
+    UTF-8; bytes that are not (a Latin-1 or Windows-1252 export) are a DataError naming the file,
+    the line and the byte offset in the file, not a UnicodeDecodeError without either."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = first_line + data.count(b"\n", 0, e.start)
+        column = e.start - data.rfind(b"\n", 0, e.start)  # 1-based, in bytes
+        raise DataError(f"{path} line {line}: not UTF-8 ({e.reason}: byte 0x{data[e.start]:02x} at byte offset "
+                        f"{file_offset + e.start}, byte {column} of the line); data files must be UTF-8 text "
+                        "(convert it, e.g. iconv -f latin1 -t utf-8)") from None
+
+
 def _records(path: Path) -> Iterable[tuple[str, str, Any]]:
     """(where, default id, raw record) for each record of a jsonl / json / parquet file."""
     if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
+        with path.open("rb") as f:
+            offset = 0  # of the line in the file, in bytes
+            for lineno, raw in enumerate(f, start=1):
+                line, offset = _utf8(raw, path, lineno, offset), offset + len(raw)
                 if not line.strip():
                     continue  # a blank line (e.g. trailing) is not a record
                 where = f"{path} line {lineno}"
@@ -84,7 +100,7 @@ def _records(path: Path) -> Iterable[tuple[str, str, Any]]:
                 yield where, f"{path.stem}:{lineno}", row
     elif path.suffix == ".json":
         try:
-            rows = json.loads(path.read_text(encoding="utf-8"))
+            rows = json.loads(_utf8(path.read_bytes(), path))
         except json.JSONDecodeError as e:
             raise DataError(f"{path} line {e.lineno}: malformed JSON: {e.msg}") from None
         if not isinstance(rows, list):

@@ -62,7 +62,7 @@ def _layout() -> dict:
             "dp": ps.get_data_parallel_world_size()}
 
 
-def _rank0_then_share(fn):
+def rank0_then_share(fn):
     """Run fn on rank 0, give its result (or its exception, re-raised) to every rank."""
     box = [None]
     if dist.get_rank() == 0:
@@ -96,7 +96,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, model: LearnerModel, optimizer=
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "dist").mkdir(parents=True)
 
-    _rank0_then_share(prepare)
+    rank0_then_share(prepare)
     dist_checkpointing.save(_sharded_state(model.chunks, optimizer, scheduler, loading=False), str(tmp / "dist"))
     dist.barrier()
 
@@ -119,7 +119,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, model: LearnerModel, optimizer=
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         replace_dir(tmp, ckpt_dir)
 
-    _rank0_then_share(finish)
+    rank0_then_share(finish)
     return ckpt_dir
 
 
@@ -159,7 +159,7 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model: LearnerModel, optimizer=
     from megatron.core import dist_checkpointing
 
     ckpt_dir = Path(ckpt_dir)
-    manifest = _rank0_then_share(lambda: read_manifest(ckpt_dir))
+    manifest = rank0_then_share(lambda: read_manifest(ckpt_dir))
     check_arch(manifest, model.arch, str(ckpt_dir))
     if optimizer is not None and not manifest["has_optimizer"]:
         raise ValueError(f"checkpoint {ckpt_dir} has no optimizer state (saved model-only, e.g. by convert)")

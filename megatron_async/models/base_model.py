@@ -11,7 +11,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from megatron_async.config import Config
+from megatron_async.config import Config, ModelConfig
 from megatron_async.data import load_problems
 from megatron_async.io_utils import atomic_directory
 from megatron_async.learner.model import read_arch
@@ -27,15 +27,20 @@ def prepare_base_model(cfg: Config) -> Path:
     out = cfg.run_dir / "base_model"
     if not (out / "config.json").exists():
         corpus = [f"{p.question}\n{p.solution}" for p in load_problems("synthetic", "train", 4000, cfg.run.seed)]
-        m = cfg.model
-        spec = TinyLlamaSpec(hidden_size=m.tiny_hidden_size, intermediate_size=m.tiny_hidden_size * 8 // 3 // 16 * 16,
-                             num_hidden_layers=m.tiny_layers, num_attention_heads=m.tiny_heads,
-                             num_key_value_heads=m.tiny_kv_heads)
+        spec = tiny_spec(cfg.model)
         with atomic_directory(out) as tmp:
             tokenizer = build_tokenizer(corpus, tmp, vocab_size=1024)
             build_tiny_llama(tmp, tokenizer, spec, seed=cfg.run.seed)
         log.info("built a tiny LLaMA (%s) and BPE tokenizer in %s", spec, out)
     return out
+
+
+def tiny_spec(model: ModelConfig) -> TinyLlamaSpec:
+    """The shape of the tiny LLaMA that model.tiny_* ask for (MLP 8/3 x hidden, a multiple of 16)."""
+    return TinyLlamaSpec(hidden_size=model.tiny_hidden_size,
+                         intermediate_size=model.tiny_hidden_size * 8 // 3 // 16 * 16,
+                         num_hidden_layers=model.tiny_layers, num_attention_heads=model.tiny_heads,
+                         num_key_value_heads=model.tiny_kv_heads)
 
 
 def load_tokenizer(hf_dir: Path):

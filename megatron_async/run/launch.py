@@ -33,7 +33,7 @@ from megatron_async.config import Config, ConfigError
 from megatron_async.learner.parallel import destroy_parallel, free_port
 from megatron_async.observability.logs import attach_log_file
 from megatron_async.run.preflight import preflight
-from megatron_async.run.checkpoint import latest_checkpoint
+from megatron_async.run.checkpoint import CheckpointSaveError, latest_checkpoint
 from megatron_async.run.stop import EXIT_INTERRUPTED, EXIT_REQUEUE, STOP_SIGNALS, Stopped, StopSignals, stop_at_once
 from megatron_async.run.trainer import Trainer
 from megatron_async.weights.shm import sweep_dead_segments, unlink_live_segments
@@ -91,6 +91,11 @@ def main(cfg: Config, config_path: str, overrides: list[str], nproc: int | None 
             print(f"megatron-async: interrupted (Ctrl-C); {saved}; continue with: {resume_command(config_path, overrides)}",
                   file=sys.stderr)
         return EXIT_INTERRUPTED
+    except CheckpointSaveError as e:  # raised on every rank (a full disk, a read-only folder); rank 0 says it
+        if int(os.environ.get("RANK", 0)) == 0:
+            then = f"; once that is fixed, continue with: {resume_command(config_path, overrides)}"
+            print(f"megatron-async: {e}{then if latest_checkpoint(cfg) else ''}", file=sys.stderr)
+        return 1
     finally:
         stop.uninstall()
     if stopped is None:
@@ -103,7 +108,10 @@ def main(cfg: Config, config_path: str, overrides: list[str], nproc: int | None 
 
 
 def resume_command(config_path: str, overrides: list[str]) -> str:
-    return shlex.join(["megatron-async", "train", config_path, *overrides, "--resume"])
+    """The command that continues this run: from `latest`, which a run.resume_from run has moved to
+    its own checkpoints, so that override is left out (repeated, it would go back again)."""
+    kept = [o for o in overrides if not o.startswith("run.resume_from=")]
+    return shlex.join(["megatron-async", "train", config_path, *kept, "--resume"])
 
 
 def torchrun_stop_flags(cfg: Config) -> list[str]:

@@ -1,6 +1,7 @@
 """Checks that touch the world, run once before anything starts: files, model architectures and
-weights, tokenizers, data, the run directory, the tracking server, the checkpoint to resume from,
-CPU lists and the GPU placement.
+weights, tokenizers, data, the reward model, the run directory, the tracking server, the replicas'
+ports, the checkpoint to resume from (whole, and of the model this config builds), CPU lists and
+the GPU placement.
 
 `config.validate` checks the config on its own (types, ranges, cross-field rules) when it is
 loaded; `preflight` checks it against this machine and the files it names. Both raise `ConfigError`
@@ -13,9 +14,11 @@ the learner or any replica has started.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ from urllib.parse import urlparse
 
 import torch
 from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer
 
 from megatron_async.algorithms import ALGORITHMS
 from megatron_async.cluster import placement
@@ -30,10 +34,13 @@ from megatron_async.cluster.cpu_affinity import (CPUS_AUTO, NATIVE_BF16_FLAGS, a
                                                   format_cpu_list, parse_cpu_list)
 from megatron_async.config import Config, ConfigError, replica_dtype
 from megatron_async.data import DataError, Problem, format_prompt, load_file, tokenize_prompts
+from megatron_async.learner.checkpoint import read_manifest
 from megatron_async.learner.mapping import validate_hf_checkpoint
 from megatron_async.learner.model import LlamaArch, read_arch
-from megatron_async.models.base_model import load_tokenizer
-from megatron_async.run.checkpoint import checkpoint_root, latest_checkpoint
+from megatron_async.models.base_model import load_tokenizer, tiny_spec
+from megatron_async.rollout.build import replica_urls
+from megatron_async.run.checkpoint import (checkpoint_problem, checkpoint_root, checkpoint_step,
+                                           newest_intact_checkpoint, resume_checkpoint, run_checkpoints)
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +74,7 @@ def _preflight(cfg: Config, world_size: int | None) -> None:
         raise ConfigError(f"key 'parallel.{axis}' = {getattr(par, axis)}: {why} in {cfg.model.hf_path}/config.json")
     _check_run_dir(cfg)
     _check_tracking_server(cfg)
+    _check_replica_ports(cfg)
     _check_cpu_lists(cfg)
     _warn_on_emulated_bf16(cfg)
     world = world_size if world_size is not None else par.world_size
@@ -76,8 +84,7 @@ def _preflight(cfg: Config, world_size: int | None) -> None:
     placement.check_static(cfg)
     if cfg.placement.gpus_per_node:  # known before launch: the whole GPU layout must fit
         placement.check_fit(cfg, cfg.placement.gpus_per_node, world or None)
-    if cfg.run.resume and latest_checkpoint(cfg) is None:
-        raise ConfigError(f"key 'run.resume' = True: no checkpoint in {checkpoint_root(cfg)} (nothing was saved yet)")
+    _check_resume(cfg, arch)
 
 
 def _check_model_and_data(cfg: Config, data_keys: tuple[str, ...]) -> LlamaArch | None:
@@ -147,13 +154,13 @@ _SAFETENSORS_DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3":
 
 
 def _check_safetensors(model_dir: str, key: str, arch: LlamaArch | None, score_head: bool = False) -> list[Path]:
-    """The checkpoint's safetensors files, each one whole (`_safetensors_problem`) -> the files.
-    Given its `arch` (a checkpoint the learner loads) there must be some (never a pickle), holding
-    exactly the tensors and shapes its config.json implies (`learner.mapping.validate_hf_checkpoint`,
-    the learner's own check; `score_head`: a reward model's); without (a reward model that only
-    scores, any architecture), the files that are there are checked."""
+    """The checkpoint's safetensors files, there (weights are never read from a pickle) and each
+    one whole (`_safetensors_problem`) -> the files. Given its `arch` (a checkpoint the learner
+    loads) they hold exactly the tensors and shapes its config.json implies
+    (`learner.mapping.validate_hf_checkpoint`, the learner's own check; `score_head`: a reward
+    model's); without (a reward model that only scores, any architecture), only their headers."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
-    _require(bool(files) or arch is None, key, model_dir,
+    _require(bool(files), key, model_dir,
              "has no *.safetensors weights (weights are read from safetensors only: a pytorch_model.bin is a "
              "pickle and is never loaded; save the model with save_pretrained(safe_serialization=True))")
     for path in files:
@@ -230,24 +237,58 @@ def _check_chat_template(cfg: Config) -> None:
              f"tokenizer_config.json); use an instruct model or set data.chat_template=false")
 
 
+# what `reward.model_path` must hold, said with every refusal of it
+REWARD_MODEL_FOLDER = ("a reward model folder holds config.json naming a *ForSequenceClassification architecture "
+                       "with num_labels=1 and a pad_token_id, its *.safetensors weights and its tokenizer files "
+                       "(tokenizer.json), as model.save_pretrained(safe_serialization=True) and "
+                       "tokenizer.save_pretrained write them")
+
+
 def _check_reward_model(cfg: Config) -> None:
-    """The RM checkpoint exists and its safetensors files are whole; for PPO, whose value model
-    starts from it, it splits like the policy and holds the tensors the value model loads (that it
-    reads the policy's token ids is checked against the model RL starts from, once built:
+    """reward.model_path as the scorer loads it (`rewards.reward_model`: AutoModelForSequenceClassification
+    from safetensors, its own tokenizer with a pad token): config.json with a sequence-classification
+    architecture and one label, whole safetensors weights and tokenizer files. A folder that is none
+    of this (a policy's, a run directory) was found only after launch, by transformers, as "You need
+    to have sentencepiece or tiktoken installed", or scored with a random head. For PPO, whose value
+    model starts from it, it also splits like the policy and holds the tensors the value model loads
+    (that it reads the policy's token ids is checked against the model RL starts from, once built:
     `run.learner_state.check_value_model_source`)."""
-    r, par = cfg.reward, cfg.parallel
-    _read_config_json(r.model_path, "reward.model_path")
-    if not ALGORITHMS[cfg.trainer.algorithm].value_model:
-        _check_safetensors(r.model_path, "reward.model_path", None)  # any classifier: its own architecture
-        return
+    r, par, key = cfg.reward, cfg.parallel, "reward.model_path"
+    _require(Path(r.model_path).is_dir(), key, r.model_path, f"directory not found; {REWARD_MODEL_FOLDER}")
+    _require((Path(r.model_path) / "config.json").is_file(), key, r.model_path,
+             f"no config.json in it: not an HF model folder; {REWARD_MODEL_FOLDER}")
+    arch = None
+    if ALGORITHMS[cfg.trainer.algorithm].value_model:
+        try:
+            arch = read_arch(r.model_path)
+            arch.check_parallel(par.tp, par.pp)
+        except (ValueError, KeyError, OSError) as e:
+            raise ConfigError(f"key '{key}' = {r.model_path!r}: trainer.algorithm={cfg.trainer.algorithm} "
+                              f"starts its value model from the reward model, which must be a LLaMA-family model "
+                              f"that splits at parallel.tp={par.tp} x parallel.pp={par.pp}: {type(e).__name__}: "
+                              f"{e}") from None
     try:
-        arch = read_arch(r.model_path)
-        arch.check_parallel(par.tp, par.pp)
-    except (ValueError, KeyError, OSError) as e:
-        raise ConfigError(f"key 'reward.model_path' = {r.model_path!r}: trainer.algorithm={cfg.trainer.algorithm} "
-                          f"starts its value model from the reward model, which must be a LLaMA-family model that "
-                          f"splits at parallel.tp={par.tp} x parallel.pp={par.pp}: {type(e).__name__}: {e}") from None
-    _check_safetensors(r.model_path, "reward.model_path", arch, score_head=True)
+        hf = AutoConfig.from_pretrained(r.model_path)  # as the scorer reads it (num_labels from id2label)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"key '{key}' = {r.model_path!r}: config.json: {type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:300]}; {REWARD_MODEL_FOLDER}") from None
+    classifiers = [a for a in hf.architectures or [] if a.endswith("ForSequenceClassification")]
+    _require(bool(classifiers), key, r.model_path,
+             f"config.json names architectures {hf.architectures}, no *ForSequenceClassification: not a reward "
+             f"model (a causal LM's folder would score with a random head); {REWARD_MODEL_FOLDER}")
+    _require(hf.num_labels == 1, key, r.model_path,
+             f"config.json has num_labels={hf.num_labels} (id2label {hf.id2label}), expected 1: a reward model "
+             "gives one score per sequence")
+    _require(hf.pad_token_id is not None, key, r.model_path,
+             "config.json has no pad_token_id: the reward model reads the score at the last token before padding")
+    _check_safetensors(r.model_path, key, arch, score_head=arch is not None)
+    _check_tokenizer_files(r.model_path, key)
+    try:
+        pad = AutoTokenizer.from_pretrained(r.model_path).pad_token_id
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"key '{key}' = {r.model_path!r}: cannot use its tokenizer: {e}") from None
+    _require(pad is not None, key, r.model_path, "its tokenizer has no pad token (set one and save it with "
+             "tokenizer.save_pretrained): batches of texts are padded")
 
 
 def _check_data_source(cfg: Config, key: str) -> list | None:
@@ -354,6 +395,100 @@ def _check_tracking_server(cfg: Config) -> None:
         raise ConfigError(f"key 'tracking.uri' = {t.uri!r}: no server answers there ({type(e).__name__}: {e}; "
                           f"tried for up to tracking.flush_timeout_s = {t.flush_timeout_s:g} s); start it, fix the URI, "
                           "or set tracking.uri='' (a store in the run directory) or tracking.enabled=false") from None
+
+
+def _check_replica_ports(cfg: Config) -> None:
+    """rollout.base_port (fixed ports): replica i's vLLM server binds rollout.host:base_port + i,
+    and a port another process holds was an "Address already in use" traceback after the launch.
+    Each port is bound here once and let go, as vLLM binds it (SO_REUSEADDR: a port left in
+    TIME_WAIT by an earlier run is no problem to it either). Only where the replicas start: in the
+    process that is or launches learner rank 0, not for servers started elsewhere
+    (rollout.replica_urls, a dedicated replica node), and not from the other ranks' preflight."""
+    r = cfg.rollout
+    if not r.base_port or replica_urls(cfg) or os.environ.get("RANK", "0") != "0":
+        return  # 0: the pool picks free ports
+    family = socket.AF_INET6 if ":" in r.host else socket.AF_INET
+    for replica in range(r.num_replicas):
+        port = r.base_port + replica
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((r.host, port))
+            except OSError as e:
+                why = ("another process listens there" if e.errno == errno.EADDRINUSE else
+                       f"it cannot be bound here ({e.strerror})")
+                raise ConfigError(f"key 'rollout.base_port' = {r.base_port}: port {port} on {r.host}, which replica "
+                                  f"{replica} of rollout.num_replicas={r.num_replicas} would listen on (base_port + "
+                                  f"{replica}), is not free: {why}; stop that process, choose another "
+                                  "rollout.base_port, or set rollout.base_port=0 (free ports)") from None
+
+
+def _check_resume(cfg: Config, arch: LlamaArch | None) -> None:
+    """run.resume: the checkpoint to continue from (`run.checkpoint.resume_checkpoint`: run.resume_from,
+    else the latest) exists, every file of it matches its manifest's sha256 (read once here, and
+    again when rank 0 loads it; measured 2026-12-04 at 2054983 on one core of the 2-core AMD EPYC:
+    0.80-0.87 s per GiB from the page cache, docs/checkpoints.md), and it holds the model this config
+    builds (`_check_resumed_model`). A corrupt one is refused, naming the newest intact checkpoint
+    and the override that resumes from it; it is not skipped on the quiet (docs/checkpoints.md)."""
+    run, root = cfg.run, checkpoint_root(cfg)
+    if not run.resume:
+        _require(not run.resume_from, "run.resume_from", run.resume_from,
+                 "is read only when resuming: add --resume (run.resume=true)")
+        return
+    key, value = ("run.resume_from", run.resume_from) if run.resume_from else ("run.resume", True)
+    ckpt = resume_checkpoint(cfg)
+    if ckpt is None:
+        raise ConfigError(f"key 'run.resume' = True: no checkpoint in {root} (nothing was saved yet)")
+    if not ckpt.is_dir():
+        saved = ", ".join(p.name for p in run_checkpoints(cfg)) or "none"
+        raise ConfigError(f"key '{key}' = {value!r}: {ckpt} not found (this run's checkpoints: {saved})")
+    if problem := checkpoint_problem(ckpt):
+        intact = newest_intact_checkpoint(cfg, besides=ckpt)
+        if intact is None:
+            fix = f"no intact checkpoint is left in {root}: start again without --resume (or under another run.name)"
+        else:
+            fix = (f"the newest intact checkpoint is {intact} (step {checkpoint_step(intact)}): resume from it with "
+                   f"--resume run.resume_from={intact.name} (the steps after it are trained again)")
+        raise ConfigError(f"key '{key}' = {value!r}: cannot resume from {ckpt}: {problem}; {fix}")
+    _check_resumed_model(cfg, ckpt, arch)
+
+
+def _check_resumed_model(cfg: Config, ckpt: Path, arch: LlamaArch | None) -> None:
+    """The checkpoint's model (its manifest's architecture, and for PPO its value model's) is the one
+    this config builds: a changed size was a KeyError about optimizer.state.exp_avg... from rank 0
+    when megatron met the saved shapes. Named by the keys that set them: model.tiny_* for the tiny
+    model, the fields of model.hf_path's (or reward.model_path's) config.json otherwise."""
+    saved = read_manifest(ckpt, verify=False)["arch"]  # verified by _check_resume
+    if arch is None:  # the tiny model: model.tiny_* give its shape
+        spec = tiny_spec(cfg.model)
+        now = {"hidden_size": ("model.tiny_hidden_size", spec.hidden_size),
+               "num_layers": ("model.tiny_layers", spec.num_hidden_layers),
+               "num_heads": ("model.tiny_heads", spec.num_attention_heads),
+               "num_kv_heads": ("model.tiny_kv_heads", spec.num_key_value_heads)}
+        differences = [f"key '{key}' = {value} but the checkpoint's model has {field} {saved[field]}"
+                       for field, (key, value) in now.items() if saved.get(field) != value]
+    else:
+        differences = _arch_differences("model.hf_path", cfg.model.hf_path, arch, saved)
+    if ALGORITHMS[cfg.trainer.algorithm].value_model:
+        if not (ckpt / "value").is_dir():
+            differences.append(f"key 'trainer.algorithm' = {cfg.trainer.algorithm!r} trains a value model, and the "
+                               "checkpoint has none (value/): it was saved by a run without one")
+        elif cfg.reward.kind == "reward_model":  # the value model is the reward model's shape
+            value_saved = read_manifest(ckpt / "value", verify=False)["arch"]
+            differences += _arch_differences("reward.model_path", cfg.reward.model_path,
+                                             read_arch(cfg.reward.model_path), value_saved)
+    if differences:
+        raise ConfigError(f"{'; '.join(differences)}; cannot resume from {ckpt}: resume with the model it was "
+                          "saved with, or start a new run (another run.name, without --resume)")
+
+
+def _arch_differences(key: str, model_dir: str, arch: LlamaArch, saved: dict) -> list[str]:
+    """How `arch` (model_dir's config.json) differs from a checkpoint's saved architecture, one
+    phrase per field."""
+    now = json.loads(json.dumps(arch.to_dict()))  # tuples -> lists, as the manifest stores them
+    fields = [f"{field} {value!r} (the checkpoint's: {saved.get(field)!r})"
+              for field, value in now.items() if saved.get(field) != value]
+    return [f"key '{key}' = {model_dir!r}: its config.json has {', '.join(fields)}"] if fields else []
 
 
 def _check_cpu_lists(cfg: Config) -> None:

@@ -47,7 +47,8 @@ from megatron_async.observability.tracking import MlflowTracker, NullTracker, bu
 from megatron_async.rollout.build import replica_urls
 from megatron_async.rollout.producer import RolloutBatch
 from megatron_async.run import faults
-from megatron_async.run.checkpoint import latest_checkpoint, load_run_checkpoint, save_run_checkpoint
+from megatron_async.run.checkpoint import (latest_checkpoint, load_run_checkpoint, resume_checkpoint,
+                                           save_run_checkpoint)
 from megatron_async.run.learner_state import LearnerState
 from megatron_async.run.report import StepReport
 from megatron_async.run.rollout_state import RolloutState
@@ -117,7 +118,7 @@ class Trainer:
 
     def _resume(self) -> None:
         self.start_step = self.learner.version = load_run_checkpoint(  # preflight: one exists
-            self.cfg, self.learner, latest_checkpoint(self.cfg), self.rollout, self.report)
+            self.cfg, self.learner, resume_checkpoint(self.cfg), self.rollout, self.report)
         self.weights.push(self.learner.version, self.learner.hf_weights())  # replicas started from version 0
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -233,7 +234,7 @@ class Trainer:
     def _stop_at(self, next_step: int, saved: Path | None) -> Stopped:
         """All ranks: the checkpoint at this boundary (the one already saved here, if any) as a `Stopped`."""
         if saved is None and next_step == self.start_step and self.cfg.run.resume:
-            saved = latest_checkpoint(self.cfg)  # resumed from it: nothing new to save
+            saved = resume_checkpoint(self.cfg)  # resumed from it: nothing new to save
         path = saved or self._checkpoint(next_step)
         return Stopped(self.stop.signal or "SIGTERM", next_step, path)
 
