@@ -401,8 +401,8 @@ def tiny_arch(model_overrides: list[str]) -> dict:
 
 
 def test_resume_with_another_model_size_is_refused_naming_the_keys(tmp_path, hf_model, edited_model):
-    """The issue's case: model.tiny_hidden_size 128 -> 256 was a KeyError about optimizer.state.exp_avg
-    from rank 0; found from the checkpoint's manifest, naming the key, its value and the saved one."""
+    """The issue's case (model.tiny_hidden_size 128 -> 256), found from the checkpoint's manifest before
+    launch, naming the key, its value and the saved one; a model.hf_path of another shape by field."""
     run = [f"run.out_dir={tmp_path}", "run.resume=true"]
     write_checkpoint(load_config(None, run), 2, tiny_arch([]))
     preflight(load_config(None, run))

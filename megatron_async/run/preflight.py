@@ -455,9 +455,10 @@ def _check_resume(cfg: Config, arch: LlamaArch | None) -> None:
 
 def _check_resumed_model(cfg: Config, ckpt: Path, arch: LlamaArch | None) -> None:
     """The checkpoint's model (its manifest's architecture, and for PPO its value model's) is the one
-    this config builds: a changed size was a KeyError about optimizer.state.exp_avg... from rank 0
-    when megatron met the saved shapes. Named by the keys that set them: model.tiny_* for the tiny
-    model, the fields of model.hf_path's (or reward.model_path's) config.json otherwise."""
+    this config builds. Otherwise another model.hf_path fails after launch, in megatron's load of
+    the saved shapes, and changed model.tiny_* would be ignored without a word (the run directory
+    keeps the tiny base model it built first). Named by the keys that set them: model.tiny_* for
+    the tiny model, the fields of model.hf_path's (or reward.model_path's) config.json otherwise."""
     saved = read_manifest(ckpt, verify=False)["arch"]  # verified by _check_resume
     if arch is None:  # the tiny model: model.tiny_* give its shape
         spec = tiny_spec(cfg.model)
@@ -465,7 +466,7 @@ def _check_resumed_model(cfg: Config, ckpt: Path, arch: LlamaArch | None) -> Non
                "num_layers": ("model.tiny_layers", spec.num_hidden_layers),
                "num_heads": ("model.tiny_heads", spec.num_attention_heads),
                "num_kv_heads": ("model.tiny_kv_heads", spec.num_key_value_heads)}
-        differences = [f"key '{key}' = {value} but the checkpoint's model has {field} {saved[field]}"
+        differences = [f"key '{key}' = {value} but the checkpoint's model has {field} {saved.get(field)}"
                        for field, (key, value) in now.items() if saved.get(field) != value]
     else:
         differences = _arch_differences("model.hf_path", cfg.model.hf_path, arch, saved)
