@@ -423,7 +423,7 @@ def test_resume_with_another_model_size_is_refused_naming_the_keys(tmp_path, hf_
         preflight(load_config(None, [*run, "trainer.algorithm=ppo"]))
 
 
-def test_resume_from_a_corrupt_checkpoint_names_the_newest_intact_one(tmp_path):
+def test_resume_from_a_corrupt_checkpoint_names_the_newest_intact_one(tmp_path, monkeypatch):
     """The latest checkpoint's file does not match its manifest: refused before launch (not a ValueError
     from rank 0), naming the file, the intact checkpoint beside it and the override that resumes from it."""
     from megatron_async.run.checkpoint import resume_checkpoint
@@ -438,6 +438,9 @@ def test_resume_from_a_corrupt_checkpoint_names_the_newest_intact_one(tmp_path):
                                           rf"newest intact checkpoint is {first} \(step 10\): resume from it with "
                                           r"--resume run.resume_from=step_000010 \(the steps after it are trained again\)"):
         preflight(cfg)
+    monkeypatch.setenv("RANK", "1")  # another rank's preflight (under torchrun): rank 0's reads the files
+    preflight(cfg)
+    monkeypatch.delenv("RANK")
     again = load_config(None, [*run, "run.resume_from=step_000010"])
     preflight(again)
     assert resume_checkpoint(again) == first

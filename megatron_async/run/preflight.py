@@ -100,6 +100,12 @@ def _check_model_and_data(cfg: Config, data_keys: tuple[str, ...]) -> LlamaArch 
     return arch
 
 
+def _is_rank0() -> bool:
+    """This process is learner rank 0, or the launcher that starts it: under a torchrun that starts
+    `megatron-async train` itself (launch/*.sh), every rank runs the preflight, with its RANK set."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _require(ok: bool, key: str, value: Any, why: str) -> None:
     if not ok:
         raise ConfigError(f"key '{key}' = {value!r}: {why}")
@@ -405,7 +411,7 @@ def _check_replica_ports(cfg: Config) -> None:
     process that is or launches learner rank 0, not for servers started elsewhere
     (rollout.replica_urls, a dedicated replica node), and not from the other ranks' preflight."""
     r = cfg.rollout
-    if not r.base_port or replica_urls(cfg) or os.environ.get("RANK", "0") != "0":
+    if not r.base_port or replica_urls(cfg) or not _is_rank0():
         return  # 0: the pool picks free ports
     family = socket.AF_INET6 if ":" in r.host else socket.AF_INET
     for replica in range(r.num_replicas):
@@ -426,7 +432,7 @@ def _check_replica_ports(cfg: Config) -> None:
 def _check_resume(cfg: Config, arch: LlamaArch | None) -> None:
     """run.resume: the checkpoint to continue from (`run.checkpoint.resume_checkpoint`: run.resume_from,
     else the latest) exists, every file of it matches its manifest's sha256 (read once here, and
-    again when rank 0 loads it; measured 2026-12-04 at 2054983 on one core of the 2-core AMD EPYC:
+    again when rank 0 loads it; by rank 0's preflight only; measured 2026-12-04 at 2054983 on one core of the 2-core AMD EPYC:
     0.80-0.87 s per GiB from the page cache, docs/checkpoints.md), and it holds the model this config
     builds (`_check_resumed_model`). A corrupt one is refused, naming the newest intact checkpoint
     and the override that resumes from it; it is not skipped on the quiet (docs/checkpoints.md)."""
@@ -442,7 +448,7 @@ def _check_resume(cfg: Config, arch: LlamaArch | None) -> None:
     if not ckpt.is_dir():
         saved = ", ".join(p.name for p in run_checkpoints(cfg)) or "none"
         raise ConfigError(f"key '{key}' = {value!r}: {ckpt} not found (this run's checkpoints: {saved})")
-    if problem := checkpoint_problem(ckpt):
+    if _is_rank0() and (problem := checkpoint_problem(ckpt)):  # every rank reading it all would be N x the I/O
         intact = newest_intact_checkpoint(cfg, besides=ckpt)
         if intact is None:
             fix = f"no intact checkpoint is left in {root}: start again without --resume (or under another run.name)"
