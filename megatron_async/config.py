@@ -54,18 +54,24 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key and the value."""
 
 
-def replica_dtype(model: "ModelConfig") -> tuple[str, str]:
-    """The replicas' (vLLM) dtype for `model.dtype` -> (dtype, why). "auto" picks, on this machine:
-    - bfloat16 where a CUDA device is visible (the learner is bf16 there). Counted with
-      torch.cuda.device_count(), which asks NVML and so neither initialises CUDA nor makes a later
-      fork unsafe (torch.cuda.is_available() would);
+def model_dtype(model: "ModelConfig") -> tuple[str, str]:
+    """The model's dtype for `model.dtype` -> (dtype, why), the learner's and the replicas' (vLLM)
+    alike: the learner trains in it (bf16: bf16 parameters with fp32 main weights, grads and Adam
+    state, megatron's mixed-precision optimizer; learner/optimizer.py) and sends its weights in it.
+    "auto" picks, on this machine:
+    - bfloat16 where a CUDA device is visible. Counted with torch.cuda.device_count(), which asks
+      NVML and so neither initialises CUDA nor makes a later fork unsafe (torch.cuda.is_available() would);
     - float32 for the built-in tiny model: bf16 buys it nothing (its 128-wide layers cost dispatch, not
-      arithmetic) and fp32 keeps its replica's logprobs equal to the learner's;
-    - bfloat16 on a CPU with AMX (amx_bf16), whose tile units multiply bf16;
+      arithmetic: a learner step 0.070-0.078 s in bf16 against 0.066-0.071 s in fp32 even with AMX)
+      and fp32 keeps its replica's logprobs equal to the learner's;
+    - bfloat16 on a CPU with AMX (amx_bf16), whose tile units multiply bf16: SmolLM2-135M generates
+      2.6x faster (429 against 167 tokens/s) and a learner step (8 x 64 tokens) takes 2.9 s against 4.8 s
+      (1.65x), 2026-12-03;
     - float32 on any other CPU: without avx512_bf16 vLLM emulates bf16 (SmolLM2-135M ~35 tokens/s
       against ~180 in fp32), and with avx512_bf16 alone bf16 generated no faster than fp32 (one core,
-      2026-12-03: 115 and 115 tokens/s for 32 sequences x 192 tokens, 140 against 172 for 64 x 64),
-      while fp32 keeps the replica's logprobs the learner's (docs/real-models.md)."""
+      2026-12-03: 115 and 115 tokens/s for 32 sequences x 192 tokens, 140 against 172 for 64 x 64)
+      and the learner's step was slower (docs/performance.md, "bf16 learner on CPU"). All figures:
+      docs/real-models.md, "bf16 on CPU"."""
     if model.dtype != "auto":
         return model.dtype, "model.dtype"
     if torch.cuda.device_count() > 0:
@@ -75,6 +81,9 @@ def replica_dtype(model: "ModelConfig") -> tuple[str, str]:
     if AMX_BF16_FLAG in cpu_flags():
         return "bfloat16", f"auto: this CPU has {AMX_BF16_FLAG}"
     return "float32", f"auto: a CPU without {AMX_BF16_FLAG}"
+
+
+replica_dtype = model_dtype  # the name rollout/, weights/ and run/ call it by, for the replicas
 
 
 @dataclass
@@ -99,11 +108,11 @@ class ModelConfig:
     tiny_heads: int = opt(4, "tiny model only")
     tiny_kv_heads: int = opt(2, "tiny model only")
     dtype: Literal["auto", "float32", "bfloat16"] = opt("auto",
-        "the replicas' (vLLM) dtype; the learner sends its weights cast to it. auto (logged when the replicas "
-        "start): bfloat16 on GPU (as the learner) and on CPUs with AMX, float32 on other CPUs (measured slower "
-        "in bf16, with or without avx512_bf16) and for the built-in tiny model (config.replica_dtype). The "
-        "learner's dtype is not a key: bf16 with fp32 master weights and grads on GPU, fp32 on CPU "
-        "(learner/model.py).")
+        "the model's dtype, the learner's and the replicas' (vLLM): the learner trains in it (bfloat16: bf16 "
+        "parameters with fp32 main weights, grads and Adam state, megatron's mixed-precision optimizer, on CPU "
+        "too) and sends its weights in it. auto (logged when the learner and the replicas start): bfloat16 on "
+        "GPU and on CPUs with AMX, float32 on other CPUs (measured slower in bf16, with or without avx512_bf16) "
+        "and for the built-in tiny model (config.model_dtype).")
     make_vocab_size_divisible_by: int = opt(128,
         "the learner pads its vocabulary (embedding and output-layer rows) to a multiple of this x parallel.tp, "
         "as megatron-LM does (default 128, megatron's), so a vocab_size TP does not divide (32001, 1003) still "

@@ -44,22 +44,37 @@ def test_hf_to_megatron_tp2pp2_to_hf_is_bit_exact(tiny_ckpts, tmp_path):
 
 
 @pytest.mark.integration  # torchrun workers
-def test_checkpoint_resume_at_another_layout(tiny_ckpts, tmp_path):
-    """Model + Adam + LR schedule saved at TP=2 and resumed at TP=1 take the same next step;
-    a corrupted file, another architecture and a missing checkpoint are refused clearly."""
+@pytest.mark.parametrize("dtype,save_tp", [("float32", 2), ("bfloat16", 1)])
+def test_checkpoint_resume(tiny_ckpts, tmp_path, dtype, save_tp):
+    """Model + Adam + LR schedule saved and resumed at TP=1 take the same next step: fp32 saved at
+    TP=2 (another layout); bf16 at TP=1, bit-exactly, its fp32 main weights (megatron's
+    mixed-precision optimizer) restored as saved, not re-derived from the bf16 params, which
+    would round them. A corrupted file, another architecture, a missing checkpoint and an optimizer
+of the other dtype are refused clearly."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
-    run_worker("checkpoint_worker.py", "save", ckpt, out, tiny_ckpts["gqa"], "--tp", 2, nproc=2)
-    run_worker("checkpoint_worker.py", "resume", ckpt, out, tiny_ckpts["gqa"], tiny_ckpts["tied"])
+    run_worker("checkpoint_worker.py", "save", ckpt, out, tiny_ckpts["gqa"], "--tp", save_tp, "--dtype", dtype,
+               nproc=save_tp)
+    run_worker("checkpoint_worker.py", "resume", ckpt, out, tiny_ckpts["gqa"], tiny_ckpts["tied"], "--dtype", dtype)
     saved, resumed = torch.load(out / "save.pt"), torch.load(out / "resume.pt")
     assert resumed["metrics"]["lr"] == saved["metrics"]["lr"] == pytest.approx(5e-4)  # warmup step 2 of 2
-    assert resumed["metrics"]["loss"] == pytest.approx(saved["metrics"]["loss"], abs=1e-5)
-    for k, w in saved["weights"].items():
-        assert (resumed["weights"][k] - w).abs().max() < 1e-5, k
+    if dtype == "bfloat16":  # the same layout and kernels: the same step, to the bit
+        assert resumed["main_weights"] > 0 and resumed["main_weights_restored"] is True
+        assert resumed["metrics"]["loss"] == saved["metrics"]["loss"]
+        assert saved["weights"].keys() == resumed["weights"].keys()
+        for k, w in saved["weights"].items():
+            assert w.dtype == torch.bfloat16 and torch.equal(resumed["weights"][k], w), k
+    else:
+        assert resumed["main_weights"] == 0 and resumed["main_weights_restored"] is None  # saved at TP=2
+        assert resumed["metrics"]["loss"] == pytest.approx(saved["metrics"]["loss"], abs=1e-5)
+        for k, w in saved["weights"].items():
+            assert (resumed["weights"][k] - w).abs().max() < 1e-5, k
     errors = json.loads((out / "errors.json").read_text())
     assert errors["extra"] == {"step": 1}
     assert "is corrupt" in errors["corrupt"] and ".distcp" in errors["corrupt"]
     assert "tie_word_embeddings: checkpoint False vs model True" in errors["other_arch"]
     assert "manifest.json is missing" in errors["missing"]
+    other = {"float32": "bfloat16", "bfloat16": "float32"}[dtype]
+    assert f"was trained in {dtype}, this learner is {other}: resume with model.dtype={dtype}" in errors["other_dtype"]
 
 
 def test_validation_names_the_tensor(tiny_ckpts, tmp_path):

@@ -69,8 +69,9 @@ def test_nan_guard_with_distributed_optimizer(tiny_ckpts, tmp_path):
     assert r["normal"]["skipped"] == 0.0 and r["normal"]["grad_norm"] == pytest.approx(r["main_grad_norm"], rel=1e-4)
     for case in ("inf_one_rank", "nan_grad", "nan_loss"):
         assert r[case]["skipped"] == 1.0, case
-    assert r["untouched"] == {"weights": True, "adam_state": True, "schedule": True}
-    assert r["moved_after"] and r["schedule_final"]["num_steps"] == 2
+    assert r["untouched"] == {"weights": True, "adam_state": True, "main_weights": True, "schedule": True}
+    assert r["precision"]["main_weight_dtypes"] == ["torch.float32"]  # the fp32 shards were compared too
+    assert r["moved_after"] and r["main_weights_moved_after"] and r["schedule_final"]["num_steps"] == 2
 
 
 def test_checkpoint_round_trip_with_distributed_optimizer(tiny_ckpts, tmp_path):

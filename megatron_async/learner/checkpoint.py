@@ -4,14 +4,17 @@ A checkpoint directory holds:
     dist/            megatron sharded checkpoint (model, and optimizer + scheduler when given);
                      resharding-friendly: saved at one TP x PP, loadable at any other
     hf_config.json   the HF config the model was built from (for conversion back to HF)
-    manifest.json    architecture, layout at save time, `extra` user metadata, sha256 of every file
+    manifest.json    architecture, layout and parameter dtype at save time, `extra` user metadata,
+                     sha256 of every file
     <part>/          optional complete checkpoints of other models (e.g. PPO's `value/`), moved in
                      before the manifest, so they are checksummed and made visible with this one
 
 Saving is atomic: every rank writes into `<dir>.tmp` (removed first if a crashed save left it),
 rank 0 checksums the files, writes the manifest, and renames the tmp dir into place (an existing
 checkpoint at `dir` is replaced only after the new one is complete). Loading verifies the
-checksums and refuses a checkpoint of another architecture with a message naming the fields.
+checksums and refuses a checkpoint of another architecture with a message naming the fields, and
+optimizer state saved at another parameter dtype (fp32's `FP32Optimizer` state has no fp32 main
+weights for bf16's mixed-precision optimizer to resume from, and bf16's would be dropped).
 All ranks must see the same filesystem (one node, or a shared one). Call collectively.
 """
 from __future__ import annotations
@@ -113,6 +116,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, model: LearnerModel, optimizer=
             "arch": model.arch.to_dict(),
             "saved_with": layout,
             "has_optimizer": optimizer is not None,
+            "dtype": _param_dtype(model),
             "extra": extra or {},
             "files": _checksums(tmp),
         }
@@ -153,6 +157,10 @@ def check_arch(manifest: dict, arch: LlamaArch, where: str) -> None:
         raise ValueError(f"checkpoint {where} holds another architecture than the model ({fields})")
 
 
+def _param_dtype(model: LearnerModel) -> str:
+    return str(next(model.chunks[0].parameters()).dtype).removeprefix("torch.")
+
+
 def load_checkpoint(ckpt_dir: str | os.PathLike, model: LearnerModel, optimizer=None, scheduler=None) -> dict:
     """Load a checkpoint saved by `save_checkpoint` (at any TP x PP) into this layout's model
     chunks (+ optimizer, scheduler). Returns the saved `extra` metadata."""
@@ -163,6 +171,10 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model: LearnerModel, optimizer=
     check_arch(manifest, model.arch, str(ckpt_dir))
     if optimizer is not None and not manifest["has_optimizer"]:
         raise ValueError(f"checkpoint {ckpt_dir} has no optimizer state (saved model-only, e.g. by convert)")
+    saved_dtype = manifest.get("dtype")  # absent before 2026-12-04: fp32 on CPU, bf16 on GPU
+    if optimizer is not None and saved_dtype is not None and saved_dtype != _param_dtype(model):
+        raise ValueError(f"checkpoint {ckpt_dir} was trained in {saved_dtype}, this learner is {_param_dtype(model)}: "
+                         f"resume with model.dtype={saved_dtype}, or start a new run from its weights")
     state = dist_checkpointing.load(_sharded_state(model.chunks, optimizer, scheduler, loading=True),
                                     str(ckpt_dir / "dist"))
     with torch.no_grad():

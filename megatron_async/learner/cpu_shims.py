@@ -5,8 +5,11 @@ megatron-core runs forward, backward, optimizer steps and dist_checkpointing on 
 patches exactly those, and only when `torch.cuda.is_available()` is False; on a GPU it does
 nothing. It is idempotent, and every patch below names the CUDA call it replaces.
 
-Two kinds of patch:
+Three kinds of patch:
 - functions replaced in the one megatron module that defines them (RNG tracker, grad clipping);
+- two megatron methods wrapped so that, for the duration of that one call, a torch.Tensor method
+  behaves as on a GPU (`_while_calling`): `Tensor.cuda` is the identity while the tied embeddings
+  are set up, and `Tensor.type()` names CUDA types while the bf16 optimizer sorts its parameters;
 - in a short list of megatron modules that create tensors with a literal `device="cuda"`, the
   module's global `torch` is swapped for `_CpuTorch`, a view of torch whose tensor factories map
   "cuda" to "cpu". Nothing outside those modules sees it.
@@ -89,19 +92,52 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
             grad.detach().mul_(clip_coeff)
 
 
-def _keep_on_cpu(method):
-    # LanguageModule.setup_embeddings_and_output_layer calls `weight.data.cuda()` before the
-    # all-reduce that copies tied embeddings to the last pipeline stage; make `Tensor.cuda` the
-    # identity for the duration of that one call.
+def _while_calling(method, tensor_method: str, replacement):
+    """`method`, with `torch.Tensor.<tensor_method>` replaced by `replacement(original)` for the
+    duration of each call (restored afterwards, also when it raises)."""
     def wrapper(*args, **kwargs):
-        saved = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda self, *a, **k: self
+        saved = getattr(torch.Tensor, tensor_method)
+        setattr(torch.Tensor, tensor_method, replacement(saved))
         try:
             return method(*args, **kwargs)
         finally:
-            torch.Tensor.cuda = saved
+            setattr(torch.Tensor, tensor_method, saved)
 
     return wrapper
+
+
+def _identity_cuda(saved):
+    # LanguageModule.setup_embeddings_and_output_layer calls `weight.data.cuda()` before the
+    # all-reduce that copies tied embeddings to the last pipeline stage: stay on the CPU.
+    return lambda self, *a, **k: self
+
+
+def _cuda_type_names(saved):
+    """`Tensor.type()` (no arguments: the type's name) for a CPU tensor names its CUDA type
+    ("torch.BFloat16Tensor" -> "torch.cuda.BFloat16Tensor"); `.type(dtype)` (a cast) is unchanged.
+
+    For `Float16OptimizerWithFloat16Params.__init__` only, whose one use of the name is to sort the
+    parameters (megatron-core 0.16.1, optimizer.py:671-700): "torch.cuda.HalfTensor" or
+    "torch.cuda.BFloat16Tensor" -> an fp32 main copy (`param.main_param`, what Adam steps),
+    "torch.cuda.FloatTensor" -> trained as it is, anything else -> `TypeError: Wrapped parameters
+    must be one of torch.cuda.FloatTensor, ...`. The sort is the GPU's: what a CPU parameter is
+    denied is only the literal device in the name. Safe on CPU because nothing after it is
+    CUDA-only: without Transformer Engine or apex the optimizer copies main <-> model params with
+    megatron's `local_multi_tensor_scale` (plain `copy_`), and the gradient norm and clipping are
+    `local_multi_tensor_l2_norm` and `_clip_grad_by_total_norm_fp32` here (their "cuda" tensors
+    made on the CPU). The DistributedOptimizer has the same check (distrib_optimizer.py); it is
+    never built on CPU (learner/perf.py), so it is not wrapped.
+    Next megatron-core: Megatron-LM main (commit 0011998, read 2026-12-04) still matches these names; where
+    the check becomes device-agnostic (a dtype test) this patch goes, and where the constructor
+    stops calling `param.type()` it is inert, and tests/test_optimizer_guard.py's bf16 case (it
+    asserts fp32 main params) says whether bf16 still builds."""
+    def type_(self, *args, **kwargs):
+        name = saved(self, *args, **kwargs)
+        if args or kwargs or self.is_cuda:
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    return type_
 
 
 def apply() -> bool:
@@ -130,7 +166,11 @@ def apply() -> bool:
 
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
-    LanguageModule.setup_embeddings_and_output_layer = _keep_on_cpu(LanguageModule.setup_embeddings_and_output_layer)
+    LanguageModule.setup_embeddings_and_output_layer = _while_calling(
+        LanguageModule.setup_embeddings_and_output_layer, "cuda", _identity_cuda)
+    # bf16 parameters (model.dtype: bfloat16) get megatron's mixed-precision optimizer, as on a GPU
+    optimizer.Float16OptimizerWithFloat16Params.__init__ = _while_calling(
+        optimizer.Float16OptimizerWithFloat16Params.__init__, "type", _cuda_type_names)
 
     cpu_torch = _CpuTorch()
     for name in _CUDA_LITERAL_MODULES:

@@ -3,7 +3,8 @@
 Supported: `model_type` llama (incl. SmolLM2, LLaMA-3.x with `llama3` rope scaling), mistral
 without sliding window, and qwen2 (bias on q/k/v). RMSNorm, SwiGLU, RoPE (rotate-half form),
 GQA, tied or untied embeddings. Layer spec: Transformer Engine when TE and CUDA are present,
-else megatron's local spec. Dtype: fp32 on CPU (params built on the CPU), bf16 on GPU.
+else megatron's local spec. Dtype: the caller's (a run's is `config.model_dtype`: fp32 on CPU unless
+AMX or `model.dtype: bfloat16`); None = bf16 on GPU, fp32 on CPU. Params are built on the CPU there.
 
 The architecture is read once into `LlamaArch`, which `learner.mapping` also uses to check an HF
 checkpoint's tensor names and shapes against the model before anything is loaded.
@@ -306,6 +307,13 @@ def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dt
             high_freq_factor=rope["high_freq_factor"],
             original_max_position_embeddings=rope["original_max_position_embeddings"],
         )
+    if config.bf16:
+        # Every parameter in bf16, as megatron-LM's Float16Module makes them (`module.bfloat16()`):
+        # the local spec's torch RMSNorm is built in fp32 whatever params_dtype says, and megatron's
+        # mixed-precision optimizer checkpoints only its bf16 params' state (fp32 ones break its
+        # sharded state dict). Not the wrapper itself: it would cast the hidden states the deferred
+        # LM head gets (learner/lm_head.py) to fp32.
+        model.bfloat16()
     _zero_vocab_padding(model, arch.vocab_size, vocab, tp)
     defer_lm_head(model)  # the loss projects the hidden states itself (learner/lm_head.py)
     if torch.cuda.is_available():

@@ -1,8 +1,14 @@
 """Megatron DDP wrapping, Adam via `get_megatron_optimizer`, the LR schedule, and one train step.
 
-CPU: fp32 params, grads and Adam state; plain (non-distributed) optimizer.
-GPU: bf16 params with fp32 master weights and fp32 grad reduction; DistributedOptimizer (Adam
-state sharded over DP ranks); grad-reduce / param-gather overlap per `learner.perf`.
+The model's dtype picks megatron's optimizer (`get_megatron_optimizer`, from the parameters' dtype):
+- fp32 params: `FP32Optimizer`, fp32 grads and Adam state (the CPU default);
+- bf16 params (GPU; CPU with `model.dtype: bfloat16`, or auto on AMX: config.model_dtype): the
+  mixed-precision `Float16OptimizerWithFloat16Params` (the `DistributedOptimizer` on GPU): fp32
+  main weights that Adam steps and copies back to the bf16 params, fp32 Adam state, grads
+  reduced in fp32 (`grad_reduce_in_fp32`), no loss scaling (bf16). On CPU megatron-core refuses
+  bf16 params by their type's name; `cpu_shims` shows it the CUDA name (see `_cuda_type_names`).
+GPU: the DistributedOptimizer (Adam state sharded over DP ranks); grad-reduce / param-gather
+overlap per `learner.perf`. CPU: the plain (non-distributed) optimizer.
 Gradients are clipped to `clip_grad` (global norm over all TP/PP/DP shards) before each step.
 
 NaN/inf guard: megatron's fp32 and bf16 optimizers step on non-finite gradients (only the fp16

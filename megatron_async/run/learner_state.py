@@ -20,7 +20,7 @@ import torch
 
 from megatron_async.algorithms import Algorithm, build_algorithm, dp_shard, split_units
 from megatron_async.algorithms.batching import Sample
-from megatron_async.config import Config, ConfigError
+from megatron_async.config import Config, ConfigError, model_dtype
 from megatron_async.learner.logprobs import compute_logprobs, compute_values, recording, share_with_pipeline
 from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
 from megatron_async.learner.model import LearnerModel, build_model, read_arch
@@ -78,9 +78,14 @@ class LearnerState:
         perf = PerfSettings.from_config(cfg.parallel)  # parallel.* GPU settings, resolved per model (learner/perf.py)
         vocab_pad = cfg.model.make_vocab_size_divisible_by  # learner/model.py: vocabulary padding
         chunk_bytes = t.logits_chunk_mb << 20  # learner/lm_head.py: 0 = each microbatch's logits at once
-        policy = build_model(init_model, perf=perf, make_vocab_size_divisible_by=vocab_pad, logits_chunk_bytes=chunk_bytes)
+        dtype_name, why = model_dtype(cfg.model)  # bf16: fp32 main weights in the optimizer (learner/optimizer.py)
+        if layout.rank == 0:
+            log.info("learner: %s (%s)", dtype_name, why)
+        dtype = getattr(torch, dtype_name)
+        policy = build_model(init_model, dtype=dtype, perf=perf, make_vocab_size_divisible_by=vocab_pad,
+                             logits_chunk_bytes=chunk_bytes)
         load_hf_weights(policy, init_model)
-        reference = build_model(init_model, perf=perf, make_vocab_size_divisible_by=vocab_pad,
+        reference = build_model(init_model, dtype=dtype, perf=perf, make_vocab_size_divisible_by=vocab_pad,
                                 logits_chunk_bytes=chunk_bytes)
         load_hf_weights(reference, init_model)
         for chunk in reference.chunks:
@@ -89,7 +94,7 @@ class LearnerState:
         value = None
         if algorithm.value_model:  # starts from the reward model if there is one, else the policy
             value_model = build_value_model(cfg.reward.model_path if value_from_rm else init_model,
-                                       from_reward_model=value_from_rm, perf=perf,
+                                       from_reward_model=value_from_rm, dtype=dtype, perf=perf,
                                        make_vocab_size_divisible_by=vocab_pad)
             value_lr = t.value_lr or t.lr  # the policy's schedule shape, scaled to value_lr
             value = Trainable(*build_optimizer(value_model, dataclasses.replace(settings, lr=value_lr,

@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from megatron_async.algorithms import batching
 from megatron_async.algorithms.best_of_k_sft import BestOfKSFT
-from megatron_async.config import Config
+from megatron_async.config import Config, model_dtype
 from megatron_async.data import PromptIterator, load_train_prompts
 from megatron_async.learner.hf_export import export_hf
 from megatron_async.learner.mapping import load_hf_weights
@@ -48,7 +49,8 @@ def run_sft(cfg: Config, base: Path, tokenizer, layout: ParallelLayout, tracker)
         log.info("SFT model found at %s: reusing it", out)
         return out
     s = cfg.sft
-    model = build_model(base, perf=PerfSettings.from_config(cfg.parallel),
+    model = build_model(base, dtype=getattr(torch, model_dtype(cfg.model)[0]),  # the RL learner's (learner_state.py)
+                        perf=PerfSettings.from_config(cfg.parallel),
                         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
     load_hf_weights(model, base)
     settings = OptimSettings(lr=s.lr, min_lr=s.lr / 10, clip_grad=1.0, warmup_steps=min(20, s.steps // 10),

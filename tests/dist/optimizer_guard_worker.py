@@ -1,6 +1,7 @@
 """Worker for tests/test_optimizer_guard.py: the NaN/inf gradient guard of `learner.optimizer.train_step`.
 
     torchrun --nproc-per-node 2 tests/dist/optimizer_guard_worker.py OUT_DIR HF_DIR --tp 2   # CPU, gloo
+    torchrun --nproc-per-node 2 tests/dist/optimizer_guard_worker.py OUT_DIR HF_DIR --tp 2 --dtype bfloat16
     python tests/dist/optimizer_guard_worker.py OUT_DIR HF_DIR          # also on CUDA (test_gpu_learner.py)
 
 The real megatron learner (gloo, CPU), five steps on one batch, each loss finite:
@@ -12,7 +13,9 @@ The real megatron learner (gloo, CPU), five steps on one batch, each loss finite
 4. a NaN loss (the old guard's case);
 5. a normal step again, which must move the weights.
 After steps 2-4 the weights, the Adam state and the LR schedule must be bit-identical to after
-step 1. Each rank writes OUT_DIR/rank<r>.json.
+step 1 (with bf16 params, the fp32 main weights too). `--dtype bfloat16` runs it on megatron's
+mixed-precision optimizer (fp32 main weights and Adam state), as a GPU does; the default is the
+backend's (fp32 on CPU, bf16 on CUDA). Each rank writes OUT_DIR/rank<r>.json.
 """
 import argparse
 import json
@@ -77,14 +80,35 @@ def main_grad_norm(ddp) -> float:
     return float(sq.sqrt())
 
 
-def run(src: Path, out: Path) -> dict:
+def main_weights(opt) -> dict:
+    """The fp32 main copies of bf16 params (what Adam steps: this rank's shards of them with the
+    DistributedOptimizer); empty in fp32."""
+    out = {}
+    for i, o in enumerate(getattr(opt, "chained_optimizers", [opt])):
+        groups = getattr(o, "fp32_from_float16_groups", None) or getattr(o, "shard_fp32_from_float16_groups", [])
+        out.update({f"{i}.{j}": w.detach().clone() for j, w in enumerate(w for group in groups for w in group)})
+    return out
+
+
+def precision(ddp, opt) -> dict:
+    """What the optimizer trains: its class, and the dtypes of the params, main weights and Adam state."""
+    inner = getattr(opt, "chained_optimizers", [opt])
+    return {"optimizer": [type(o).__name__ for o in inner],
+            "param_dtypes": sorted({str(p.dtype) for c in ddp.chunks for p in c.parameters()}),
+            "main_weight_dtypes": sorted({str(w.dtype) for w in main_weights(opt).values()}),
+            "stepped_dtypes": sorted({str(p.dtype) for o in inner for g in o.optimizer.param_groups for p in g["params"]}),
+            "adam_state_dtypes": sorted({str(v.dtype) for o in inner for st in o.optimizer.state.values()
+                                         for k, v in st.items() if torch.is_tensor(v) and k != "step"})}
+
+
+def run(src: Path, out: Path, dtype: torch.dtype | None) -> dict:
     from megatron.core import parallel_state as ps
 
     from megatron_async.learner.mapping import load_hf_weights
     from megatron_async.learner.model import build_model, unwrap_model
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
 
-    model = build_model(src)
+    model = build_model(src, dtype=dtype)
     load_hf_weights(model, src)
     # linear decay: the LR moves with every step taken, so a skipped step that advanced the
     # schedule would show; clip far above the norm, so main grads stay unclipped for the check
@@ -98,7 +122,8 @@ def run(src: Path, out: Path) -> dict:
 
     r["normal"] = train_step(ddp, opt, sched, mbs, nll)
     r["main_grad_norm"] = main_grad_norm(ddp.chunks)
-    w0, o0, s0 = weights(), optimizer_state(opt), schedule()
+    r["precision"] = precision(ddp, opt)
+    w0, o0, s0, m0 = weights(), optimizer_state(opt), schedule(), main_weights(opt)
     r["adam_state_entries"] = len(o0)
 
     target = unwrap_model(ddp.chunks[0]).decoder.layers[0].mlp.linear_fc2.weight
@@ -110,11 +135,12 @@ def run(src: Path, out: Path) -> dict:
     r["nan_grad"] = train_step(ddp, opt, sched, mbs, nan_grad_nll)
     r["nan_loss"] = train_step(ddp, opt, sched, mbs, nan_loss_nll)
     r["untouched"] = {"weights": same(weights(), w0), "adam_state": same(optimizer_state(opt), o0),
-                      "schedule": schedule() == s0}
+                      "main_weights": same(main_weights(opt), m0), "schedule": schedule() == s0}
     r["schedule_before"], r["schedule_after_skips"] = s0, schedule()
 
     r["normal_again"] = train_step(ddp, opt, sched, mbs, nll)
     r["moved_after"] = not same(weights(), w0)
+    r["main_weights_moved_after"] = not same(main_weights(opt), m0)
     r["schedule_final"] = schedule()
     return r
 
@@ -124,6 +150,7 @@ if __name__ == "__main__":
     p.add_argument("out", type=Path)
     p.add_argument("hf", type=Path)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="the params' (default: the backend's)")
     a = p.parse_args()
     torch.set_num_threads(1)
     from megatron_async.learner.parallel import destroy_parallel, init_parallel
@@ -131,7 +158,7 @@ if __name__ == "__main__":
     init_parallel(a.tp, 1)
     try:
         a.out.mkdir(parents=True, exist_ok=True)
-        result = run(a.hf, a.out)
+        result = run(a.hf, a.out, getattr(torch, a.dtype) if a.dtype else None)
         # NaN is not JSON: write it as a string the test reads back
         text = json.dumps(result, indent=1, default=str).replace("NaN", '"nan"').replace("Infinity", '"inf"')
         (a.out / f"rank{result['rank']}.json").write_text(text)

@@ -9,8 +9,9 @@ completions, one scored 1 and one 0, with the initial policy's logprobs as the g
 vLLM reports them at version 0). Then a run checkpoint is saved, loaded into a freshly built
 learner, and both take one more step (two passes, so Adam state and LR schedule count). Rank 0
 writes every step's metrics, each completion's summed logprob under the policy before and after
-the 6 steps, and the metrics of the continued and the resumed 7th step. The batch stays the one
-version 0 generated, so from the second step on it is off-policy data for the learner.
+the 6 steps, the metrics of the continued and the resumed 7th step, and the three models' parameter
+dtypes (`model.dtype` decides them). The batch stays the one version 0 generated, so from the second
+step on it is off-policy data for the learner.
 """
 import argparse
 import json
@@ -80,6 +81,9 @@ if __name__ == "__main__":
                 json.dump({"history": history, "rewards": mbs[0]["rewards"].tolist(),
                            "logp_before": sequence_logprobs(gen, mask).tolist(),
                            "logp_after": sequence_logprobs(after, mask).tolist(),
-                           "continued_step": continued_step, "resumed_step": resumed_step}, f)
+                           "continued_step": continued_step, "resumed_step": resumed_step,
+                           "dtypes": {name: str(next(m.chunks[0].parameters()).dtype) for name, m in
+                                      (("policy", learner.policy.model), ("reference", learner.reference),
+                                       ("value", learner.value.model))}}, f)
     finally:
         destroy_parallel()

@@ -1,6 +1,6 @@
 """Worker for tests/test_sync_parity.py: megatron learner -> weight sync -> vLLM, logprob parity.
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/dist/sync_parity_worker.py OUT MODEL_DIR...
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist/sync_parity_worker.py OUT MODEL_DIR... [--dtype bfloat16]
 
 Rank 0 starts a one-replica ReplicaPool per model (as the trainer's driver rank would; all at
 once, their ~30 s start-ups overlap) and broadcasts their URLs and keys. Then, for each layout TP=1 (x DP=2), TP=2 and PP=2, the
@@ -11,7 +11,9 @@ and 2 and inline over HTTP in round 1 (the other ranks iterate along for the gat
 publishes the version (`pool.finish_update`) -> rank 0 samples from vLLM ->
 every rank computes the learner's logprobs of the sampled tokens. Rank 0 writes OUT/parity.json:
 one row per (model, layout, round) with vLLM-vs-learner max |diff|, how much the step moved the
-previous round's logprobs, and how many replicas published the version.
+previous round's logprobs, how many replicas published the version, and the dtypes pushed.
+`--dtype bfloat16`: a bf16 learner (fp32 main weights in its optimizer) and bf16 replicas, the GPU's
+pair (model.dtype: bfloat16); default: fp32 both.
 """
 import argparse
 import json
@@ -39,7 +41,15 @@ def microbatch(sequences: list[list[int]]) -> dict:
     return {"input_ids": ids, "loss_mask": mask}
 
 
-def run_layout(model_dir: Path, tp: int, pp: int, pool, urls, key, first_version: int) -> list[dict]:
+def recording_dtypes(named, seen: set):
+    """`named` (name, tensor) pairs passed through, each tensor's dtype added to `seen`."""
+    for name, tensor in named:
+        seen.add(str(tensor.dtype))
+        yield name, tensor
+
+
+def run_layout(model_dir: Path, tp: int, pp: int, pool, urls, key, first_version: int,
+               dtype: torch.dtype) -> list[dict]:
     from megatron.core import parallel_state as ps
 
     from megatron_async.learner.logprobs import compute_logprobs
@@ -51,7 +61,7 @@ def run_layout(model_dir: Path, tp: int, pp: int, pool, urls, key, first_version
     from megatron_async.weights.host_memory import HostMemorySender
 
     init_parallel(tp, pp)
-    model = build_model(model_dir)
+    model = build_model(model_dir, dtype=dtype)
     load_hf_weights(model, model_dir)
     ddp, opt, sched = build_optimizer(model, OptimSettings(lr=1e-2, clip_grad=1.0))
     source = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
@@ -67,7 +77,8 @@ def run_layout(model_dir: Path, tp: int, pp: int, pool, urls, key, first_version
             train_step(ddp, opt, sched, [microbatch(torch.randint(3, vocab, (4, PROMPT_LEN + NEW_TOKENS), generator=g).tolist())], nll)
         opened = [pool.begin_update(None, "between_batches", 60) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(opened, src=0)
-        named = iter_hf_weights(ddp)
+        pushed_dtypes: set = set()
+        named = recording_dtypes(iter_hf_weights(ddp), pushed_dtypes)
         if source:
             sync = senders[TRANSPORTS[rnd]].push(named)
         else:
@@ -96,6 +107,7 @@ def run_layout(model_dir: Path, tp: int, pp: int, pool, urls, key, first_version
             "record_versions": sorted({v for _, _, v in payload[0]}), "records": len(seqs),
             "max_diff": (learner_lp - vllm_lp).abs().max().item(), "moved": moved,
             "published": published[0], "buckets": None if sync is None else sync.buckets, "transport": TRANSPORTS[rnd],
+            "pushed_dtypes": sorted(pushed_dtypes) if source else None,
         })
     for sender in senders.values():
         sender.close()
@@ -107,6 +119,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
     p.add_argument("models", nargs="+", type=Path)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="learner and replicas")
     a = p.parse_args()
     torch.set_num_threads(1)
     from megatron_async.learner.parallel import destroy_parallel, init_parallel
@@ -120,7 +133,7 @@ def main():
     try:
         pools = {}
         if dist.get_rank() == 0:
-            pools = {m: ReplicaPool(ReplicaSpec(model=str(m), kv_cache_bytes=64 << 20, max_model_len=256), 1,
+            pools = {m: ReplicaPool(ReplicaSpec(model=str(m), dtype=a.dtype, kv_cache_bytes=64 << 20, max_model_len=256), 1,
                                     log_dir=a.out / f"logs-{m.name}") for m in a.models}
             with ThreadPoolExecutor(len(pools)) as ex:
                 list(ex.map(ReplicaPool.start, pools.values()))
@@ -130,7 +143,8 @@ def main():
             for model_dir in a.models:
                 urls, key = info[0][model_dir]
                 for i, (tp, pp) in enumerate(LAYOUTS):
-                    rows += run_layout(model_dir, tp, pp, pools.get(model_dir), urls, key, first_version=1 + i * ROUNDS)
+                    rows += run_layout(model_dir, tp, pp, pools.get(model_dir), urls, key, first_version=1 + i * ROUNDS,
+                                       dtype=getattr(torch, a.dtype))
         finally:
             for pool in pools.values():
                 pool.stop()
