@@ -57,12 +57,13 @@ def test_learner_steps_match_the_recorded_values(algorithm, overrides, tmp_path)
 
 
 @pytest.mark.integration  # a megatron-core learner process
-@pytest.mark.parametrize("algorithm", ["online_dpo", "rloo"])
+@pytest.mark.parametrize("algorithm", ["rloo"])
 def test_token_budget_microbatches_match_the_recorded_values(algorithm, tmp_path):
     """trainer.micro_batch_tokens: the rows sorted longest first, 8 to a microbatch (the budget is
     never reached), each padded to its own longest row: other shapes, rows in another order, the same
-    numbers. Row-mean losses only: GRPO's token aggregation weighs tokens per microbatch
-    (algorithms/base.py), so its loss depends on the grouping."""
+    numbers. Row-mean losses only: GRPO's token aggregation and the main job's RPO term (Online DPO's
+    token-mean NLL of the chosen) weigh tokens per microbatch (algorithms/base.py), so they move
+    with the grouping (measured: DPO's step-0 gradient norm 4.6214 against the recorded 4.6264)."""
     out = run_worker("learner_steps_worker.py", algorithm, tmp_path, "trainer.micro_batch_tokens=100000")
     steps = json.loads(next(line for line in out.splitlines() if line.startswith("STEPS "))[len("STEPS "):])
     for step, (got, want) in enumerate(zip(steps, RECORDED[algorithm], strict=True)):

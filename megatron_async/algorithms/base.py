@@ -30,8 +30,8 @@ Microbatches, two layouts (`microbatches`):
 The real rows of a microbatch are always its first `real_rows` rows. Each microbatch's loss is
 scaled (`loss_scale`) so that the mean over microbatches (what the schedule computes) is the mean
 over real rows (pairs for DPO), whatever the layout: the loss is the same function of the batch.
-A loss that averages over tokens within a microbatch (GRPO's token aggregation) weighs tokens per
-microbatch, as before, so its value depends on the grouping.
+A loss that averages over tokens within a microbatch (GRPO's token aggregation, PPO's surrogate,
+Online DPO's RPO term) weighs tokens per microbatch, as before, so its value depends on the grouping.
 
 Devices: microbatches are built on the learner's device, where the learner's logprobs and values
 come back, so batch preparation is one device's computation (no host sync either: statistics
