@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import resource
 import signal
 from contextlib import contextmanager
@@ -153,8 +154,10 @@ def test_a_save_the_file_system_refuses_leaves_the_previous_checkpoint_loadable(
     limit = min(p.stat().st_size for p in (first / "dist").glob("*.distcp")) // 2  # half of every shard file
     with file_size_limit(limit), pytest.raises(CheckpointSaveError) as e:
         save_run_checkpoint(cfg, learner, one_rank_group, next_step=2)
-    assert f"could not save checkpoint {checkpoint_root(cfg)}/step_000002 (step 2): " in str(e.value)
-    assert "File too large" in str(e.value) and f"the previous checkpoint, {first} (step 1), is intact" in str(e.value)
+    # torch.save's zip writer (megatron's common.pt and shards) reports a short write as "unexpected pos"
+    assert re.search(rf"could not save checkpoint {checkpoint_root(cfg)}/step_000002 \(step 2\): (OSError: \[Errno 27\] "
+                     r"File too large|RuntimeError: .*unexpected pos \d+ vs \d+); its partial files were removed and "
+                     rf"the previous checkpoint, {first} \(step 1\), is intact", str(e.value)), str(e.value)
     assert sorted(p.name for p in checkpoint_root(cfg).iterdir()) == ["latest", "step_000001"]
     assert_loads_the_saved_weights(cfg, learner, latest_checkpoint(cfg), saved)
 
@@ -185,8 +188,8 @@ def test_a_full_disk_and_then_a_read_only_one_leave_the_previous_checkpoint_load
     with tmpfs(tmp_path / "disk", size_bytes=size * 3 // 2) as make_read_only:  # room for one checkpoint, not two
         cfg = run_config(tmp_path / "disk")
         first = save_run_checkpoint(cfg, learner, one_rank_group, next_step=1)
-        with pytest.raises(CheckpointSaveError, match=r"No space left on device.* the previous checkpoint, .*step_000001 "
-                                                      r"\(step 1\), is intact"):
+        with pytest.raises(CheckpointSaveError, match=r"(No space left on device|unexpected pos).* the previous "
+                                                      r"checkpoint, .*step_000001 \(step 1\), is intact"):
             save_run_checkpoint(cfg, learner, one_rank_group, next_step=2)
         assert sorted(p.name for p in checkpoint_root(cfg).iterdir()) == ["latest", "step_000001"]
         make_read_only()
