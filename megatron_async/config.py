@@ -83,6 +83,25 @@ def model_dtype(model: "ModelConfig") -> tuple[str, str]:
     return "float32", f"auto: a CPU without {AMX_BF16_FLAG}"
 
 
+def weight_transport(cfg: "Config") -> tuple[str, str]:
+    """`rollout.weight_transport` -> (the transport, why); "auto" stays "auto" where it means host
+    memory (shm or http per replica, weights/host_memory.carrier_for). The learner's senders
+    (weights/update.py) and the replicas' engine (rollout/build.py) ask it alike. auto picks nccl
+    for GPU replicas: on a CUDA machine (torch.cuda.device_count(), as the dtype's auto) the replicas this
+    run starts get GPUs (cluster/placement.py). NOTE: nccl's GPU communicator (vLLM's PyNccl) has
+    not yet run on a GPU in this project; everything else of its path runs in CI over gloo."""
+    r = cfg.rollout
+    if r.weight_transport != "auto":
+        return r.weight_transport, "rollout.weight_transport"
+    if r.replica_urls:
+        return "auto", "auto: servers started elsewhere (rollout.replica_urls) run an engine this run did not choose"
+    if r.sync_full_every not in ("auto", 0):
+        return "auto", f"auto: delta sync (rollout.sync_full_every={r.sync_full_every}) is built for host memory"
+    if torch.cuda.device_count() > 0:
+        return "nccl", "auto: GPU replicas (a CUDA machine); nccl's GPU communicator has not yet run on a GPU"
+    return "auto", "auto: CPU replicas"
+
+
 replica_dtype = model_dtype  # the name rollout/, weights/ and run/ call it by, for the replicas
 
 
@@ -230,17 +249,20 @@ class RolloutConfig:
     weight_transport: WeightTransport = opt("auto",
         "how weight buckets reach the replicas' weight-transfer engine: shm (a /dev/shm segment; replicas "
         "on this host), http (inline in the request body; any host) (weights/host_memory.py); nccl (vLLM's "
-        "NCCL engine, GPU replicas, learner PP=1; its GPU communicator has not yet run on a GPU), gloo (the "
-        "same sender and engine code with a gloo communicator: any host, CPU; learner PP=1) "
-        "(weights/broadcast.py); auto = shm for loopback replicas, else http (both work for GPU replicas too, "
-        "but an 8B bf16 sync through host memory is estimated at 1.6-6 s, docs/scaling.md: use nccl there)")
+        "NCCL engine, GPU replicas; its GPU communicator has not yet run on a GPU), gloo (the same sender and "
+        "engine code with a gloo communicator: any host, CPU) (weights/broadcast.py: any learner TP x PP x DP, "
+        "each pipeline stage over its own groups); auto (config.weight_transport) = nccl on a CUDA machine "
+        "for the replicas this run starts (GPU replicas: an 8B bf16 sync through host memory is estimated at "
+        "1.6-6 s, docs/scaling.md), else host memory: shm for loopback replicas, http for others, and always "
+        "for rollout.replica_urls (servers started elsewhere, engine unknown) or with delta sync "
+        "(rollout.sync_full_every >= 2)")
     rendezvous_address: str = opt("",
         "weight_transport=nccl/gloo: the address replicas reach the learner's sender at (its process "
         "group's TCP rendezvous); \"\" = 127.0.0.1 for replicas on this host, else the address this host "
         "uses to reach the replica's host")
     rendezvous_port: int = opt(0,
-        "weight_transport=nccl/gloo: replica i's group rendezvous at rendezvous_port + i; 0 = a free port "
-        "each time")
+        "weight_transport=nccl/gloo: the group of learner pipeline stage s with replica i rendezvous at "
+        "rendezvous_port + s * num_replicas + i; 0 = a free port each time")
     generate_timeout_s: float = opt(600.0, "a generation request slower than this fails its replica")
     startup_timeout_s: float = opt(300.0,
         "seconds a replica may take to answer after it was started or restarted (a replica_urls server: to "
@@ -596,13 +618,11 @@ def validate(cfg: Config) -> None:
                  "rollout.weight_transport", r.weight_transport,
                  f"shared memory needs the replicas on the learner's host (rollout.host={r.host!r}, "
                  f"placement.dedicated_replica_node={cfg.placement.dedicated_replica_node}): use auto or http")
-    if r.weight_transport in BROADCAST_TRANSPORTS:
-        _require(cfg.parallel.pp == 1, "rollout.weight_transport", r.weight_transport,
-                 f"vLLM's NCCL engine takes one sender per replica: the learner must run parallel.pp=1 "
-                 f"(got {cfg.parallel.pp}); use auto (host memory) with pipeline parallelism")
-        _require(r.rendezvous_port == 0 or 1024 <= r.rendezvous_port <= 65535 - r.num_replicas, "rollout.rendezvous_port",
-                 r.rendezvous_port, f"must be 0 (free ports) or in [1024, {65535 - r.num_replicas}] "
-                 f"(replica i uses rendezvous_port + i)")
+    if r.rendezvous_port:  # used by nccl and gloo, also where auto picks nccl
+        groups = r.num_replicas * cfg.parallel.pp  # one per (pipeline stage, replica): weights/broadcast.py
+        _require(r.rendezvous_port == 0 or 1024 <= r.rendezvous_port <= 65535 - groups, "rollout.rendezvous_port",
+                 r.rendezvous_port, f"must be 0 (free ports) or in [1024, {65535 - groups}] (stage s's group with "
+                 f"replica i uses rendezvous_port + s * num_replicas + i: {groups} ports)")
     if r.replica_urls:
         _require(bool(r.token), "rollout.token", "", "rollout.replica_urls: servers started elsewhere need their key")
     _require(cfg.run.stop_deadline_s > 0, "run.stop_deadline_s", cfg.run.stop_deadline_s, "must be > 0")

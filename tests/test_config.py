@@ -2,11 +2,14 @@
 import string
 
 import pytest
+import torch
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_async.config import Config, ConfigError, DuplicateKeyLoader, flatten, load_config, save_config
+from megatron_async.config import (
+    Config, ConfigError, DuplicateKeyLoader, flatten, load_config, save_config, weight_transport,
+)
 from megatron_async.run.preflight import preflight
 
 
@@ -65,9 +68,9 @@ def test_literal_choices():
     (["rollout.host=0.0.0.0"], "rollout.token"),
     (["rollout.weight_transport=shm", "rollout.host=10.0.0.5", "rollout.token=t"], "rollout.weight_transport"),
     (["rollout.weight_transport=udp"], "rollout.weight_transport"),
-    (["rollout.weight_transport=nccl", "parallel.world_size=2", "parallel.pp=2"], "rollout.weight_transport"),
     (["rollout.weight_transport=nccl", "rollout.rendezvous_port=80"], "rollout.rendezvous_port"),
-    (["rollout.weight_transport=gloo", "parallel.world_size=2", "parallel.pp=2"], "rollout.weight_transport"),
+    (["rollout.weight_transport=gloo", "parallel.pp=2", "rollout.num_replicas=2", "rollout.rendezvous_port=65532"],
+     "rollout.rendezvous_port"),  # 2 stages x 2 replicas: 4 ports from 65532 pass 65535
     (["rollout.sync_full_every=1"], "rollout.sync_full_every"),
     (["rollout.sync_full_every=5", "rollout.weight_transport=nccl"], "rollout.sync_full_every"),
     (["trainer.logits_chunk_mb=-1"], "trainer.logits_chunk_mb"),
@@ -91,8 +94,23 @@ def test_impossible_settings_fail_naming_the_key(overrides, key):
     assert f"'{key}'" in str(e.value)
 
 
-def test_nccl_transport_is_accepted_with_one_pipeline_stage():
+def test_broadcast_transports_are_accepted_at_every_learner_layout():
     preflight(load_config(None, ["rollout.weight_transport=nccl", "parallel.tp=2"]), world_size=2)
+    for transport in ("nccl", "gloo"):  # each pipeline stage's sender has its own groups (weights/broadcast.py)
+        preflight(load_config(None, [f"rollout.weight_transport={transport}", "parallel.tp=2", "parallel.pp=2"]),
+                  world_size=8)  # TP=2 x PP=2 x DP=2
+
+
+def test_auto_transport_is_nccl_for_gpu_replicas_and_host_memory_otherwise(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert weight_transport(load_config(None, []))[0] == "auto"  # CPU replicas: shm or http per replica
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert weight_transport(load_config(None, [])) == (
+        "nccl", "auto: GPU replicas (a CUDA machine); nccl's GPU communicator has not yet run on a GPU")
+    assert weight_transport(load_config(None, ["rollout.weight_transport=http"]))[0] == "http"  # explicit wins
+    assert weight_transport(load_config(None, ["rollout.sync_full_every=10"]))[0] == "auto"  # deltas: host memory
+    elsewhere = ["rollout.replica_urls=[http://10.0.0.5:8000]", "rollout.token=t"]
+    assert weight_transport(load_config(None, elsewhere))[0] == "auto"  # their engine is not this run's choice
 
 
 def test_ppo_allows_k1_and_world_size_checked_at_launch():

@@ -27,8 +27,10 @@ def test_update_info_names_dtypes_and_shapes_of_a_bucket():
         "dtype_names": ["bfloat16", "float32", "float16"],  # getattr(torch, name) on the replica
         "shapes": [[7, 4], [4], [7, 4]],
         "keep": False,  # the replica keeps what it loads only for delta sync (weights/delta.py)
+        "group": 0,  # the pipeline stage whose group carries the tensors
     }
     assert update_info(bucket, keep=True)["keep"] is True
+    assert update_info(bucket, group=3)["group"] == 3
     assert all(isinstance(getattr(torch, d), torch.dtype) for d in update_info(bucket)["dtype_names"])
 
 
@@ -74,3 +76,63 @@ def test_the_rendezvous_address_is_the_one_this_host_uses_towards_the_replica():
            if a.family == socket.AF_INET and not a.address.startswith("127.")]
     assert own, f"this test needs a non-loopback IPv4 address: {psutil.net_if_addrs()}"
     assert address_towards(f"http://{own[0]}:8000") == own[0]  # the route to this host's own address leaves from it
+
+
+class RecordingGroup:
+    """A stand-in communicator: what was broadcast over it, and whether it was destroyed."""
+
+    def __init__(self, group: int):
+        self.group, self.received, self.destroyed = group, [], False
+
+    def broadcast(self, tensor, src, stream=None):
+        tensor.fill_(float(self.group))  # "receives" its group's number
+        self.received.append(tuple(tensor.shape))
+
+    def destroy(self):
+        self.destroyed = True
+
+
+@pytest.mark.integration  # in-process, but importing vLLM starts a process (its platform probe runs `file`)
+def test_the_engine_holds_one_group_per_pipeline_stage_and_receives_each_bucket_over_its_own():
+    """mas_gloo / mas_nccl's side of a PP learner (fakes for the groups and the model): groups keyed
+    by stage side by side, a group formed again replaces only its stage's, a bucket is read from the
+    group it names, and a bucket for a stage with no group is refused naming those formed."""
+    pytest.importorskip("vllm")
+    from megatron_async.weights.broadcast_engine import BroadcastInitInfo, BroadcastUpdateInfo, MasGlooEngine
+    from megatron_async.weights.coverage import UpdateCoverage
+    from megatron_async.weights.delta import DeltaDecoder
+
+    class Engine(MasGlooEngine):
+        def join_group(self, init_info):
+            return RecordingGroup(init_info.group)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = (torch.nn.Parameter(torch.zeros(n)) for n in (2, 3, 4))
+            self.loaded = []
+
+        def load_weights(self, weights):
+            self.loaded += [(name, float(t.flatten()[0])) for name, t in weights]
+            return {name for name, _ in weights}
+
+    engine = Engine.__new__(Engine)  # vLLM's constructor wants a running model; the groups' logic does not
+    engine.groups, engine.device, engine.model = {}, torch.device("cpu"), Model()
+    engine.coverage, engine.deltas = UpdateCoverage(), DeltaDecoder()
+    info = dict(master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=2)
+    engine.init_transfer_engine(BroadcastInitInfo(**info, group=0))
+    engine.init_transfer_engine(BroadcastInitInfo(**info, group=1))
+    first = engine.groups[1]
+    engine.init_transfer_engine(BroadcastInitInfo(**info, group=1))  # stage 1's sender re-formed its group
+    assert first.destroyed and not engine.groups[0].destroyed and sorted(engine.groups) == [0, 1]
+    engine.coverage.start(engine.model)  # one update session, both stages' buckets in it
+    engine.receive_weights(BroadcastUpdateInfo(names=["a", "b"], dtype_names=["float32"] * 2, shapes=[[2], [3]], group=1))
+    engine.receive_weights(BroadcastUpdateInfo(names=["c"], dtype_names=["float32"], shapes=[[4]], group=0))
+    assert engine.groups[1].received == [(2,), (3,)] and engine.groups[0].received == [(4,)]
+    assert engine.model.loaded == [("a", 1.0), ("b", 1.0), ("c", 0.0)]
+    engine.receive_weights(BroadcastUpdateInfo(names=[], dtype_names=[], shapes=[], verify=True))  # covered by both
+    with pytest.raises(RuntimeError, match=r"group 4 not formed \(groups formed: \[0, 1\]\)"):
+        engine.receive_weights(BroadcastUpdateInfo(names=["d"], dtype_names=["float32"], shapes=[[1]], group=4))
+    groups = list(engine.groups.values())
+    engine.shutdown()
+    assert all(g.destroyed for g in groups) and engine.groups == {}

@@ -5,19 +5,30 @@
 
 `rollout.weight_transport: nccl | gloo`. The replicas run vLLM's dense NCCL engine
 (vllm/distributed/weight_transfer/nccl_engine.py) as `mas_nccl`, or the same engine with a gloo
-communicator as `mas_gloo` (weights/broadcast_engine.py). Per replica there is one group: this
-sender is rank 0, the replica's workers ranks 1..W-1 (vLLM's `rank_offset` 1; W - 1 is the
+communicator as `mas_gloo` (weights/broadcast_engine.py). Each learner pipeline stage has its own
+sender (its TP rank 0 of DP rank 0, weights/update.py), and each sender one group per replica:
+the sender is rank 0, the replica's workers ranks 1..W-1 (vLLM's `rank_offset` 1; W - 1 is the
 replica's TP x PP, asked of the server, `/get_world_size`, and refused unless it equals
-rollout.replica_tp). We drive it as vLLM's trainer-side engine (`NCCLTrainerWeightTransferEngine`)
-does, keeping the pool's phases (`ReplicaPool.begin_update` / `finish_update`, run by
-weights/update.py):
-- one `/update_weights` per bucket (its names, dtypes, shapes), sent while the bucket's tensors
-  are broadcast one by one (vLLM's unpacked mode); the worker loads each through layerwise
-  reload as it arrives, and the sender holds one bucket at a time;
+rollout.replica_tp). A replica's engine holds its groups side by side, one per stage (`group` =
+the stage, in the init call and in every bucket's `/update_weights`). We drive it as vLLM's
+trainer-side engine (`NCCLTrainerWeightTransferEngine`) does, keeping the pool's phases
+(`ReplicaPool.begin_update` / `finish_update`, run by weights/update.py):
+- one `/update_weights` per bucket (its names, dtypes, shapes, group), sent while the bucket's
+  tensors are broadcast one by one (vLLM's unpacked mode); the worker loads each through
+  layerwise reload as it arrives, and the sender holds one bucket at a time;
 - the groups persist: formed at a replica's first push (`/init_weight_transfer_engine` while
   this process opens its end, a TCP store rendezvous at `address:port`), formed again only for a
   replica whose push failed or that restarted (`forget`; the replica's engine replaces its old
-  group when the new one forms).
+  group of that stage when the new one forms).
+
+Why a group per stage, side by side, and not the stages in turn through one group (vime PR #329,
+for vLLM's stock engine, which keeps one receiving communicator): a broadcast has one source, so
+one group serves one stage at a time, and in turn every stage but the first waits for the one
+before it and forms its group again at each sync (a rendezvous per stage per sync). Side by side,
+the stages stream at once: the replica still loads one bucket at a time (its engine serves one
+`/update_weights` after the other), but each stage's gathers, casts and sends overlap the others'
+loading, and no group is formed after the first sync. Argued from the protocol, not measured
+against the other (docs/replicas-and-weight-sync.md, "Pipeline-parallel learners").
 
 Only the communicator differs between the wires (`Wire`: NcclWire = vLLM's PyNccl, GlooWire =
 weights/gloo.py): group formation, the rank layout, the bucket protocol, re-forming, timeouts and
@@ -29,13 +40,16 @@ Every wait is bounded by `timeout_s`:
   replica that refuses init fails at once, not at the store's timeout;
 - a bucket: the broadcasts to every replica are enqueued (NCCL: on the learner's current stream;
   gloo: asynchronous work), then each replica's completion and its `/update_weights` answer are
-  polled until the deadline. A replica whose call fails, or that misses the deadline, has its
-  group aborted (ncclCommAbort ends a broadcast kernel waiting for a dead peer) and is dropped
-  from the push (`PushResult.failed`).
+  polled until the deadline. A replica whose call fails has its group aborted at once, inside
+  the poll (ncclCommAbort ends a broadcast kernel waiting for a dead peer, which on NCCL would
+  hold every replica's broadcasts queued after it on the one stream); one that misses the
+  deadline is aborted then. Either is dropped from the push (`PushResult.failed`). CI runs this
+  over gloo, whose work is per group: that a replica queued behind a failed one on the CUDA
+  stream completes in time is the GPU run's to show.
 
-Limits, by design of vLLM's engine: one sender per replica group, so the learner runs PP=1 with
-this transport (config.validate refuses PP>1; the TP gather happens before the sender). Replicas
-are served one after the other on one stream (one group each): sync time grows with replicas.
+Ports: stage s's group with replica i rendezvous at `base_port + s * len(urls) + i` (or a free
+port when `base_port` is 0). Replicas are served one after the other on one stream (one group
+each): sync time grows with replicas.
 """
 from __future__ import annotations
 
@@ -132,12 +146,13 @@ def make_wire(transport: str) -> Wire:
     return wires[transport]()
 
 
-def update_info(bucket: Sequence[tuple[str, torch.Tensor]], keep: bool = False) -> dict:
+def update_info(bucket: Sequence[tuple[str, torch.Tensor]], keep: bool = False, group: int = 0) -> dict:
     """vLLM's `NCCLWeightTransferUpdateInfo` of one bucket, as the JSON `/update_weights` takes;
-    `keep`: the replica keeps what it loads, the base of the next delta (weights/delta.py)."""
+    `keep`: the replica keeps what it loads, the base of the next delta (weights/delta.py);
+    `group`: the pipeline stage whose group carries the tensors (weights/broadcast_engine.py)."""
     return {"names": [name for name, _ in bucket],
             "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-            "shapes": [list(t.shape) for _, t in bucket], "keep": keep}
+            "shapes": [list(t.shape) for _, t in bucket], "keep": keep, "group": group}
 
 
 def address_towards(url: str) -> str:
@@ -152,24 +167,25 @@ def address_towards(url: str) -> str:
         return probe.getsockname()[0]
 
 
-def _vllm_init_info(address: str, port: int, world_size: int) -> dict:
-    """The `/init_weight_transfer_engine` payload of vLLM's NCCL engine family (unpacked mode)."""
+def _vllm_init_info(address: str, port: int, world_size: int, group: int) -> dict:
+    """The `/init_weight_transfer_engine` payload of vLLM's NCCL engine family (unpacked mode), with
+    the group (pipeline stage) our engines key their groups by."""
     # NOTE: vLLM is imported here, not at the top: only the sender of a broadcast transport needs
     # it, and importing it costs seconds (and CUDA probing) on every learner rank
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
 
     return worker_init_payload(NCCLWeightTransferInitInfo(master_address=address, master_port=port, rank_offset=1,
-                                                          world_size=world_size, packed=False))
+                                                          world_size=world_size, packed=False)) | {"group": group}
 
 
 class BroadcastSender:
-    """The learner's sender rank's groups with the replicas, and the bucket stream over them."""
+    """One pipeline stage's sender rank's groups with the replicas, and the bucket stream over them."""
 
     def __init__(self, urls: Sequence[str], key: str, *, wire: Wire, replica_tp: int, timeout_s: float,
-                 bucket_bytes: int, address: str = "", base_port: int = 0, full_every: int = 0):
+                 bucket_bytes: int, address: str = "", base_port: int = 0, full_every: int = 0, stage: int = 0):
         if full_every and wire.transport == "nccl":
             raise ValueError("delta sync over nccl is not built (vLLM's sparse_nccl backend is the path)")
-        self.wire, self.replica_tp = wire, replica_tp
+        self.wire, self.replica_tp, self.stage = wire, replica_tp, stage
         self._deltas = DeltaSchedule(full_every) if full_every else None  # weights/delta.py
         self.timeout_s, self.bucket_bytes, self.base_port = timeout_s, bucket_bytes, base_port
         self._index = {u: i for i, u in enumerate(urls)}
@@ -197,8 +213,8 @@ class BroadcastSender:
                 f"rollout.replica_tp={self.replica_tp}: start it with --tensor-parallel-size {self.replica_tp} or set "
                 f"rollout.replica_tp={workers}")
         address = self._address[url]
-        port = self.base_port + i if self.base_port else free_port(address)
-        joined = self._pool.submit(client.init_weight_transfer, _vllm_init_info(address, port, 1 + workers))
+        port = self.base_port + self.stage * len(self._index) + i if self.base_port else free_port(address)
+        joined = self._pool.submit(client.init_weight_transfer, _vllm_init_info(address, port, 1 + workers, self.stage))
         opened = self._pool.submit(self.wire.open, address, port, 1 + workers, self.timeout_s)
         wait([joined, opened], timeout=self.timeout_s, return_when=FIRST_EXCEPTION)
         for step in (joined, opened):  # the replica's refusal first: it says why
@@ -207,7 +223,7 @@ class BroadcastSender:
                 raise step.exception()
         if not opened.done() or not joined.done():
             _destroy_when_open(opened)
-            raise TimeoutError(f"replica {i}: its {self.wire.transport} group did not form within {self.timeout_s:.0f} s")
+            raise TimeoutError(f"replica {i}: its {self.wire.transport} group of stage {self.stage} did not form within {self.timeout_s:.0f} s")
         return opened.result()
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], urls: Sequence[str] | None = None) -> PushResult:
@@ -247,7 +263,7 @@ class BroadcastSender:
 
     def _send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]], urls: Sequence[str]) -> dict[str, str]:
         """One bucket into every replica of `urls` -> {url: why it failed} for those it did not reach."""
-        info = update_info(bucket, keep=self._deltas is not None)
+        info = update_info(bucket, keep=self._deltas is not None, group=self.stage)
         tensors = [t.contiguous() for _, t in bucket]  # kept referenced until every replica has them
         receiving = {u: self._pool.submit(self._clients[u].update_weights, info) for u in urls}
         sending: dict[str, Callable[[], bool]] = {}
@@ -273,6 +289,9 @@ class BroadcastSender:
                 except Exception as e:  # noqa: BLE001 - the replica is dropped from this push
                     failed[url] = str(e) or repr(e)
                     pending.discard(url)
+                    # its group aborted now, not after the bucket: on NCCL every replica's broadcasts
+                    # share the learner's stream, and one to a failed peer holds those queued after it
+                    self._channels.pop(url).destroy()
             if pending and time.monotonic() > deadline:
                 failed.update({u: f"bucket not received within {self.timeout_s:.0f} s" for u in pending})
                 break

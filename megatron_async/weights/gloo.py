@@ -11,6 +11,7 @@ Gloo moves CPU tensors: a CUDA tensor is staged through host memory on either en
 """
 from __future__ import annotations
 
+import socket
 import threading
 from datetime import timedelta
 from typing import Callable, Sequence
@@ -26,13 +27,20 @@ class GlooCommunicator:
     @classmethod
     def join(cls, address: str, port: int, rank: int, world_size: int, timeout_s: float) -> "GlooCommunicator":
         """Join (rank 0: host) the group's rendezvous at address:port; returns once all ranks joined.
-        Every blocking call of the group is bounded by `timeout_s`."""
+        Every blocking call of the group is bounded by `timeout_s`.
+
+        Rank 0 hosts the rendezvous's store on a socket it binds itself (vLLM's `listen_socket`):
+        without it, torch's tcp:// rendezvous under torchrun (TORCHELASTIC_USE_AGENT_STORE=True, as on
+        every learner rank) makes no rank the store's server, and the group never forms (found with a
+        PP=2 learner, tests/test_broadcast_pp.py)."""
         # NOTE: vLLM is imported here, not at the top: the communicator itself needs only torch, and
         # gpu_check's weight_wire phase runs it where vLLM is not installed (the lent GPU machine)
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
+        listen = socket.create_server((address, port)) if rank == 0 else None
         return cls(stateless_init_torch_distributed_process_group(
-            address, port, rank, world_size, backend="gloo", timeout=timedelta(seconds=timeout_s)))
+            address, port, rank, world_size, backend="gloo", timeout=timedelta(seconds=timeout_s),
+            listen_socket=listen))
 
     def broadcast(self, tensor: torch.Tensor, src: int, stream=None) -> None:
         """PyNccl's blocking broadcast (`stream` is a CUDA stream there; gloo has none)."""

@@ -8,8 +8,9 @@ Phases (vLLM's weight-transfer API), and who runs them:
    `/start_weight_update`) and tells every rank which ones opened;
 2. the sender of each pipeline stage (its TP rank 0 of DP rank 0) streams the stage's HF tensors,
    cast to the replicas' dtype (`model.dtype`), into them (weights/sender.py's interface: the
-   host-memory or the broadcast sender, chosen by `rollout.weight_transport`); the stage's other
-   ranks only take part in the TP gathers behind `named_tensors`;
+   host-memory or the broadcast sender, chosen by `rollout.weight_transport`, where auto is nccl
+   for GPU replicas: config.weight_transport); the stage's other ranks only take part in the TP
+   gathers behind `named_tensors`;
 3. every rank reports the replicas its stage could not reach; rank 0 publishes the version on
    those every stage reached (`ReplicaPool.finish_update`: verify, `/finish_weight_update`,
    resume) and closes the update without a version on the others;
@@ -29,7 +30,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_async.config import BROADCAST_TRANSPORTS, Config, replica_dtype
+from megatron_async.config import BROADCAST_TRANSPORTS, Config, replica_dtype, weight_transport
 from megatron_async.learner.parallel import ParallelLayout, from_rank0
 from megatron_async.rollout.pool import ReplicaPool, UpdateMode
 from megatron_async.weights.broadcast import BroadcastSender, make_wire
@@ -77,17 +78,18 @@ class WeightUpdate:
         send_dtype = getattr(torch, replica_dtype(cfg.model)[0])
         sender: WeightSender | None = None
         if layout.tp_rank == 0 and layout.dp_rank == 0:
-            full_every, why = resolve_full_every(r.sync_full_every, r.weight_transport, urls, send_dtype)
-            log.info("weight sync, stage %d: %s (%s)", layout.pp_rank,
+            transport, chosen = weight_transport(cfg)  # the replicas' engine was started for the same choice
+            full_every, why = resolve_full_every(r.sync_full_every, transport, urls, send_dtype)
+            log.info("weight sync, stage %d: %s (%s), %s (%s)", layout.pp_rank, transport, chosen,
                      f"deltas, a full sync every {full_every}" if full_every else "every sync full", why)
-            if r.weight_transport in BROADCAST_TRANSPORTS:  # PP=1 (config.validate): that is rank 0
-                sender = BroadcastSender(urls, key, wire=make_wire(r.weight_transport), replica_tp=r.replica_tp,
+            if transport in BROADCAST_TRANSPORTS:  # one group per (stage, replica)
+                sender = BroadcastSender(urls, key, wire=make_wire(transport), replica_tp=r.replica_tp,
                                          timeout_s=r.sync_timeout_s, bucket_bytes=r.sync_bucket_mb << 20,
                                          address=r.rendezvous_address, base_port=r.rendezvous_port,
-                                         full_every=full_every)
+                                         full_every=full_every, stage=layout.pp_rank)
             else:
                 sender = HostMemorySender(urls, key, timeout_s=r.sync_timeout_s, bucket_bytes=r.sync_bucket_mb << 20,
-                                          transport=r.weight_transport, full_every=full_every)
+                                          transport=transport, full_every=full_every)
         meter = ChangeMeter(send_dtype) if sender is not None else None
         return cls(ctrl, urls, r.weight_update, r.sync_timeout_s, layout.pp_rank, pool, sender, meter, send_dtype)
 
