@@ -69,8 +69,9 @@ def model_dtype(model: "ModelConfig") -> tuple[str, str]:
       (1.65x), 2026-12-03;
     - float32 on any other CPU: without avx512_bf16 vLLM emulates bf16 (SmolLM2-135M ~35 tokens/s
       against ~180 in fp32), and with avx512_bf16 alone bf16 generated no faster than fp32 (one core,
-      2026-12-03: 115 and 115 tokens/s for 32 sequences x 192 tokens, 140 against 172 for 64 x 64)
-      and the learner's step was slower (docs/performance.md, "bf16 learner on CPU"). All figures:
+      2026-12-03: 115 and 115 tokens/s for 32 sequences x 192 tokens, 140 against 172 for 64 x 64),
+      and the learner's step was 1.6x slower on one such CPU, ~1.25x faster on another (docs/
+      performance.md, "bf16 learner on CPU"): not enough to change the default. All figures:
       docs/real-models.md, "bf16 on CPU"."""
     if model.dtype != "auto":
         return model.dtype, "model.dtype"

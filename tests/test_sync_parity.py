@@ -21,8 +21,8 @@ from tests.rollout_fixtures import build_variants
 pytestmark = pytest.mark.integration  # torchrun workers with vLLM replicas
 
 MODELS = ("gqa", "tied", "llama3", "qwen2")
-BF16_TOL = 0.5  # max |diff| of bf16 logprobs, two implementations (cpu-stack.md: up to ~0.7 on peaked distributions)
-BF16_STEP_OVER_TOL = 2  # one lr=1e-2 Adam step moves the logprobs by more than this x BF16_TOL
+BF16_TOL = 0.05  # max |diff| of bf16 logprobs, vLLM vs the bf16 learner (measured 0.003-0.009, 2026-12-04)
+BF16_STEP_OVER_TOL = 5  # one lr=1e-2 Adam step moves them by more than this x BF16_TOL (measured 0.65-1.72)
 
 
 def test_vllm_logprobs_match_the_megatron_learner_after_every_sync(tmp_path):
