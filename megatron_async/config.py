@@ -84,6 +84,9 @@ def model_dtype(model: "ModelConfig") -> tuple[str, str]:
     return "float32", f"auto: a CPU without {AMX_BF16_FLAG}"
 
 
+replica_dtype = model_dtype  # the name rollout/, weights/ and run/ call it by, for the replicas
+
+
 def weight_transport(cfg: "Config") -> tuple[str, str]:
     """`rollout.weight_transport` -> (the transport, why); "auto" stays "auto" where it means host
     memory (shm or http per replica, weights/host_memory.carrier_for). The learner's senders
@@ -103,9 +106,6 @@ def weight_transport(cfg: "Config") -> tuple[str, str]:
     return "auto", "auto: CPU replicas"
 
 
-replica_dtype = model_dtype  # the name rollout/, weights/ and run/ call it by, for the replicas
-
-
 @dataclass
 class RunConfig:
     name: str = opt("run", "run name; outputs go to <out_dir>/<name>")
@@ -116,6 +116,11 @@ class RunConfig:
         "with run.resume (--resume): the checkpoint to continue from instead of the latest, e.g. step_000010 "
         "(a folder under <run dir>/checkpoints) or a path; what the preflight names when the latest is "
         "corrupt (docs/checkpoints.md). Later checkpoints of the run are removed at its first save.")
+    stop_deadline_s: float = opt(240.0,
+        "after SIGTERM or SIGUSR1 the run finishes its learner step, saves a checkpoint there and exits 75 "
+        "(requeue me); if that has not happened this many seconds after the signal (or a second signal comes) "
+        "it stops at once, the previous checkpoint intact (run/stop.py). Below the 300 s warning the SLURM "
+        "recipes ask for (--signal=B:USR1@300); torchrun is given this plus 60 s before it kills its workers.")
 
 
 @dataclass
@@ -144,11 +149,6 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     tp: int = opt(1, "learner tensor-parallel size")
-    stop_deadline_s: float = opt(240.0,
-        "after SIGTERM or SIGUSR1 the run finishes its learner step, saves a checkpoint there and exits 75 "
-        "(requeue me); if that has not happened this many seconds after the signal (or a second signal comes) "
-        "it stops at once, the previous checkpoint intact (run/stop.py). Below the 300 s warning the SLURM "
-        "recipes ask for (--signal=B:USR1@300); torchrun is given this plus 60 s before it kills its workers.")
     pp: int = opt(1, "learner pipeline-parallel size")
     world_size: int = opt(0,
         "world size (learner ranks); 0 = take WORLD_SIZE from torchrun. DP = world / (tp * pp).")
@@ -597,6 +597,7 @@ def validate(cfg: Config) -> None:
     for ok, key, value, why in ALGORITHMS[t.algorithm].rules(cfg):
         _require(ok, key, value, why)
     _require(t.lr > 0, "trainer.lr", t.lr, "must be > 0")
+    _require(cfg.run.stop_deadline_s > 0, "run.stop_deadline_s", cfg.run.stop_deadline_s, "must be > 0")
     _require(0 <= t.min_lr <= t.lr, "trainer.min_lr", t.min_lr, "must be in [0, trainer.lr]")
     _require(t.grad_clip >= 0, "trainer.grad_clip", t.grad_clip, "must be >= 0 (0 = no clipping)")
     _require(0 < r.temperature <= 10, "rollout.temperature", r.temperature, "sampling needs 0 < temperature <= 10")
@@ -626,7 +627,6 @@ def validate(cfg: Config) -> None:
                  f"replica i uses rendezvous_port + s * num_replicas + i: {groups} ports)")
     if r.replica_urls:
         _require(bool(r.token), "rollout.token", "", "rollout.replica_urls: servers started elsewhere need their key")
-    _require(cfg.run.stop_deadline_s > 0, "run.stop_deadline_s", cfg.run.stop_deadline_s, "must be > 0")
         _require(all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in r.replica_urls),
                  "rollout.replica_urls", r.replica_urls, "must be a list of http(s):// URLs")
     if cfg.placement.dedicated_replica_node and not r.replica_urls:

@@ -226,13 +226,13 @@ def transformer_config(arch: LlamaArch, tp: int = 1, pp: int = 1, dtype: torch.d
         # gloo has no batched isend/irecv ordering problem to work around, and the sync would
         # call torch.cuda.synchronize (cpu-stack.md).
         batch_p2p_sync=cuda,
-        # HF LLaMA uses the full attention-score precision; keep softmax in fp32.
         # Microbatches may differ in shape (trainer.micro_batch_tokens): between pipeline stages megatron
         # then sends each activation's shape (3 integers) before it.
         variable_seq_lengths=pp > 1,
         # megatron-core refuses variable_seq_lengths with its default MoE token dispatcher (allgather)
         # even for a dense model like ours, which never builds one: naming another passes the check
         moe_token_dispatcher_type="alltoall",
+        # HF LLaMA uses the full attention-score precision; keep softmax in fp32.
         attention_softmax_in_fp32=True,
     )
 
