@@ -117,7 +117,9 @@ def learner(one_rank_group, tiny_ckpts):
         init_parallel(1, 1)  # the default group is one_rank_group's
         model = build_model(tiny_ckpts["gqa"])
         load_hf_weights(model, tiny_ckpts["gqa"])
-        yield SimpleNamespace(value=None, policy=Trainable(*build_optimizer(model, OptimSettings(lr=1e-3))), version=1)
+        policy = Trainable(*build_optimizer(model, OptimSettings(lr=1e-3)))
+        policy.optimizer.step()  # zero gradients: Adam's state exists (a checkpoint before any step does not load)
+        yield SimpleNamespace(value=None, policy=policy, version=1)
         parallel_state.destroy_model_parallel()
 
 
