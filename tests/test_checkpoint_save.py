@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 import re
 import resource
@@ -111,14 +112,14 @@ def learner(one_rank_group, tiny_ckpts):
     from megatron_async.learner.parallel import init_parallel
     from megatron_async.run.learner_state import Trainable
 
-    with pytest.MonkeyPatch.context() as env:  # init_parallel sets them: not for later tests' subprocesses
+    with pytest.MonkeyPatch.context() as env:  # init_parallel sets them: not for later tests (convert's relaunch)
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            env.delenv(name, raising=False)
+            env.setenv(name, "")  # records the value before (often none), which the context's end restores
+            env.delenv(name)
         init_parallel(1, 1)  # the default group is one_rank_group's
         model = build_model(tiny_ckpts["gqa"])
         load_hf_weights(model, tiny_ckpts["gqa"])
-        policy = Trainable(*build_optimizer(model, OptimSettings(lr=1e-3)))
-        policy.optimizer.step()  # zero gradients: Adam's state exists (a checkpoint before any step does not load)
+        policy = Trainable(*build_optimizer(model, OptimSettings(lr=1e-3)))  # not stepped: the first test saves so
         yield SimpleNamespace(value=None, policy=policy, version=1)
         parallel_state.destroy_model_parallel()
 
@@ -133,6 +134,22 @@ def assert_loads_the_saved_weights(cfg, learner, path: Path, saved: dict[str, to
             p.add_(1.0)  # so that a load that restores nothing fails below
     assert load_run_checkpoint(cfg, learner, path) == 1
     assert all(torch.equal(p, saved[n]) for n, p in learner.policy.model.chunks[0].named_parameters())
+
+
+@pytest.mark.integration  # dist_checkpointing's save starts a process
+def test_a_checkpoint_saved_before_the_first_optimizer_step_loads(learner, one_rank_group, tmp_path):
+    """No Adam state yet (Online DPO's first batches may form no pair; a stop signal at step 0): the
+    checkpoint holds model and schedule, and loads into a learner that then steps as usual."""
+    assert len(learner.policy.optimizer.state) == 0
+    cfg = run_config(tmp_path)
+    saved = weights(learner)
+    path = save_run_checkpoint(cfg, learner, one_rank_group, next_step=1)
+    assert json.loads((path / "manifest.json").read_text())["optimizer_stepped"] is False
+    assert_loads_the_saved_weights(cfg, learner, path, saved)
+    learner.policy.optimizer.step()  # zero gradients: Adam's state exists from here (the tests below)
+    assert len(learner.policy.optimizer.state) > 0
+    again = save_run_checkpoint(run_config(tmp_path / "stepped"), learner, one_rank_group, next_step=1)
+    assert json.loads((again / "manifest.json").read_text())["optimizer_stepped"] is True
 
 
 @contextmanager

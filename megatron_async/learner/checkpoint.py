@@ -15,6 +15,10 @@ checkpoint at `dir` is replaced only after the new one is complete). Loading ver
 checksums and refuses a checkpoint of another architecture with a message naming the fields, and
 optimizer state saved at another parameter dtype (fp32's `FP32Optimizer` state has no fp32 main
 weights for bf16's mixed-precision optimizer to resume from, and bf16's would be dropped).
+An optimizer that has not stepped yet (Online DPO's first batches may form no pair) holds no Adam
+moments, and megatron's load would ask for them (KeyError optimizer.state.exp_avg...): its
+checkpoint saves model and schedule only (`optimizer_stepped: false` in the manifest), and the
+load gives the fresh optimizer the loaded weights (`reload_model_params`: bf16's fp32 main copies).
 All ranks must see the same filesystem (one node, or a shared one). Call collectively.
 """
 from __future__ import annotations
@@ -100,7 +104,9 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, model: LearnerModel, optimizer=
         (tmp / "dist").mkdir(parents=True)
 
     rank0_then_share(prepare)
-    dist_checkpointing.save(_sharded_state(model.chunks, optimizer, scheduler, loading=False), str(tmp / "dist"))
+    stepped = optimizer is not None and _optimizer_stepped(optimizer, model)
+    dist_checkpointing.save(_sharded_state(model.chunks, optimizer if stepped else None, scheduler, loading=False),
+                            str(tmp / "dist"))
     dist.barrier()
 
     def finish():
@@ -116,6 +122,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, model: LearnerModel, optimizer=
             "arch": model.arch.to_dict(),
             "saved_with": layout,
             "has_optimizer": optimizer is not None,
+            "optimizer_stepped": stepped,  # False: no Adam state yet, none saved (module docstring)
             "dtype": _param_dtype(model),
             "extra": extra or {},
             "files": _checksums(tmp),
@@ -157,6 +164,13 @@ def check_arch(manifest: dict, arch: LlamaArch, where: str) -> None:
         raise ValueError(f"checkpoint {where} holds another architecture than the model ({fields})")
 
 
+def _optimizer_stepped(optimizer, model: LearnerModel) -> bool:
+    """Whether megatron's optimizer holds Adam state on any rank (none before its first step)."""
+    flag = torch.tensor([1 if len(optimizer.state) else 0], device=next(model.chunks[0].parameters()).device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def _param_dtype(model: LearnerModel) -> str:
     return str(next(model.chunks[0].parameters()).dtype).removeprefix("torch.")
 
@@ -175,12 +189,15 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model: LearnerModel, optimizer=
     if optimizer is not None and saved_dtype is not None and saved_dtype != _param_dtype(model):
         raise ValueError(f"checkpoint {ckpt_dir} was trained in {saved_dtype}, this learner is {_param_dtype(model)}: "
                          f"resume with model.dtype={saved_dtype}, or start a new run from its weights")
-    state = dist_checkpointing.load(_sharded_state(model.chunks, optimizer, scheduler, loading=True),
+    stepped = manifest.get("optimizer_stepped", True)  # absent before 2026-12-04: always saved
+    state = dist_checkpointing.load(_sharded_state(model.chunks, optimizer if stepped else None, scheduler, loading=True),
                                     str(ckpt_dir / "dist"))
     with torch.no_grad():
         _unwrap(model.chunks[0]).load_state_dict(state["model"])
-        if optimizer is not None:
+        if optimizer is not None and stepped:
             optimizer.load_state_dict(state["optimizer"])
+        elif optimizer is not None:
+            optimizer.reload_model_params()  # a fresh optimizer = one that never stepped, on the loaded weights
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])
     return manifest["extra"]
