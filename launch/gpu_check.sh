@@ -37,7 +37,7 @@
 #                  short by its budget keeps the tests that passed; if the torch.compile smoke failed,
 #                  the failed tests run again with TORCH_COMPILE_DISABLE=1
 #   learner_bench  ~0.89B LLaMA, TP=1, bf16: step time, tokens/s, MFU, memory by component vs
-#                  docs/scaling.md (tools/gpu_bench.py learner)
+#                  docs/scaling.md (tools/gpu/gpu_bench.py learner)
 #   weights_bench  weights/buckets.py packing and checksums of GPU tensors (GB/s)
 #   weight_wire    bf16 GPU tensors to a CPU receiver process over both weight paths' sending ends:
 #                  a /dev/shm bucket (the shm carrier) and the gloo wire's communicator; byte-equal
