@@ -29,8 +29,9 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # for the annotation only: rollout_state imports this module
-    from megatron_async.run.rollout_state import RolloutState
+if TYPE_CHECKING:  # annotations only
+    from megatron_async.rollout.pool import ReplicaPool
+    from megatron_async.rollout.producer import RolloutProducer
 
 CRASH_AFTER_CHECKPOINT = "MEGATRON_ASYNC_CRASH_AFTER_CHECKPOINT"
 NAN_LOSS_STEPS = "MEGATRON_ASYNC_NAN_LOSS_STEPS"
@@ -62,14 +63,13 @@ def kill_replica_during(batch_index: int, replica_pgid: int, delay_s: float = 0.
         threading.Timer(delay_s, os.killpg, (replica_pgid, signal.SIGKILL)).start()
 
 
-def restart_replica_at(step: int, rollout: RolloutState | None) -> None:
-    """Rank 0 (`rollout` is None elsewhere): SIGKILL replica 0's process group once no batch is left
+def restart_replica_at(step: int, pool: ReplicaPool, producer: RolloutProducer) -> None:
+    """Rank 0: SIGKILL replica 0's process group once no batch is left
     to generate with the weights it holds, and wait (bounded by the pool's start timeout) until the
     pool has noticed and restarted it. The learner's next wait and push then meet a replica whose
     previous process the weight senders knew."""
-    if rollout is None or os.environ.get(RESTART_REPLICA_AT_STEP) != str(step):
+    if os.environ.get(RESTART_REPLICA_AT_STEP) != str(step):
         return
-    pool, producer = rollout.pool, rollout.producer
     deadline = time.monotonic() + pool.start_timeout_s
 
     def within_bound(what: str) -> None:

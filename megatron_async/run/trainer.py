@@ -140,7 +140,8 @@ class Trainer:
                 if planned is None:  # a stop signal came while rank 0 waited for this batch
                     return self._stop_at(step, saved)
                 batch, updates = planned
-                faults.restart_replica_at(step, self.rollout)
+                if self.rollout is not None:
+                    faults.restart_replica_at(step, self.rollout.pool, self.rollout.producer)
                 with timer("train"):
                     faults.signal_during("train", step)
                     metrics = self.learner.step(batch, step, updates)
