@@ -12,6 +12,7 @@ import pytest
 
 from megatron_async.config import load_config
 from megatron_async.observability import logs
+from megatron_async.observability.tracking import NullTracker
 from megatron_async.run.report import run_summary
 
 
@@ -60,24 +61,25 @@ def test_other_ranks_warn_only_and_write_their_own_file(fresh_logging, tmp_path,
     assert path.name == "train.rank1.log" and "rank 1 info" in path.read_text()
 
 
-@dataclass
-class _Tracker:
-    uri: str
-    run_id: str = "abc123"
+def tracker_at(uri: str) -> NullTracker:
+    """A tracker whose run lives at `uri` (what the summary reads of a `Tracker`)."""
+    tracker = NullTracker()
+    tracker.uri, tracker.run_id = uri, "abc123"
+    return tracker
 
 
 def test_run_summary_names_metric_wall_time_and_where_things_are(tmp_path):
     cfg = load_config(None, [f"run.out_dir={tmp_path}", "run.name=r", "trainer.algorithm=rloo", "trainer.steps=30"])
     uri = f"sqlite:///{tmp_path}/r/mlflow.db"
     text = run_summary(cfg, 200, 0.015, 0.03, wall_s=3000.0, png=cfg.run_dir / "training.png",
-                       checkpoint=cfg.run_dir / "checkpoints" / "step_30", tracker=_Tracker(uri),
+                       checkpoint=cfg.run_dir / "checkpoints" / "step_30", tracker=tracker_at(uri),
                        log_path=cfg.run_dir / "train.log")
     assert "pass@1 on 200 held-out problems: before 0.015 -> after 0.030 (+0.015" in text
     assert "wall time: 50.0 min" in text and f"checkpoint: {cfg.run_dir}/checkpoints/step_30" in text
     assert f"plot: {cfg.run_dir}/training.png" in text and f"final model (HF): {cfg.run_dir}/hf_final" in text
     assert f"MLflow run abc123 in {uri}" in text and f"open it: mlflow ui --backend-store-uri {uri}" in text
     assert f"{cfg.run_dir}/train.log" in text
-    server = run_summary(cfg, 8, None, 0.5, None, None, None, _Tracker("http://mlflow:5000"), None)
+    server = run_summary(cfg, 8, None, 0.5, None, None, None, tracker_at("http://mlflow:5000"), None)
     assert "after training: 0.500" in server and "mlflow ui" not in server and "http://mlflow:5000" in server
 
 

@@ -33,12 +33,8 @@ def test_a_run_that_trains_on_nothing_but_nan_never_ends_with_exit_0():
     """run/bad_steps.py's BadStepGuard, as Trainer.train calls it after each step: NaN/inf loss or
     gradients (train/skipped) and batches without one reward (all scores NaN/inf or failed) are bad;
     max_bad_steps in a row stop the run, and so does a shorter run whose every step was bad."""
-    from megatron_async.rollout.producer import RolloutBatch
     from megatron_async.run.bad_steps import BadStepGuard
-
-    def batch(rewards):
-        return RolloutBatch(index=0, policy_version=0, problems=[None] * len(rewards),
-                            completions=[[None] * len(r) for r in rewards], rewards=rewards)
+    from tests.batches import scored_batch as batch
 
     scored, unscored = batch([[1.0, 0.0], [0.0, None]]), batch([[None, None], [None, None]])
     nan_step, trained, tied = {"train/skipped": 1.0}, {"train/skipped": 0.0}, {}  # tied: all prompts tie, no train/*

@@ -20,6 +20,7 @@ from megatron_async.rollout.producer import RolloutBatch
 from megatron_async.run import trainer as trainer_mod
 from megatron_async.run.trainer import Trainer
 from megatron_async.weights.sender import PushResult
+from tests.batches import scored_batch
 
 
 def config(tmp_path, *overrides):
@@ -28,8 +29,7 @@ def config(tmp_path, *overrides):
 
 
 def batch(step: int, rewards=((1.0, 0.0),)) -> RolloutBatch:
-    return RolloutBatch(index=step, policy_version=max(0, step - 1), problems=[None] * len(rewards),
-                        completions=[[] for _ in rewards], rewards=[list(r) for r in rewards])
+    return scored_batch([list(r) for r in rewards], index=step, policy_version=max(0, step - 1))
 
 
 @dataclass

@@ -40,21 +40,87 @@ tests check that nothing mixes devices.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Iterable, Protocol
+from typing import Any, Callable, ClassVar, Iterable, Literal, Protocol, TypedDict, cast
 
 import torch
+from typing_extensions import NotRequired, ReadOnly
 
 from megatron_async.algorithms.batching import Sample, TrainBatch, collate
 from megatron_async.algorithms.losses import sequence_kl
 from megatron_async.algorithms.off_policy import Correction, behaviour_weights, sequence_weights, staleness_stats
 
 
-Microbatch = dict[str, Any]
+class Microbatch(TypedDict):
+    """One microbatch as the learner's schedule and the algorithm's loss see it.
+
+    A TypedDict, not a dataclass: megatron's schedule only hands our `forward_step` whatever the
+    data iterator yields, so either would do, but the record is filled in two stages (built by
+    `build_microbatch`, then `prepare` attaches reference / old logprobs, advantages, ...), which
+    is what required and `NotRequired` keys say, and `"key" in mb` stays the test for a stage's
+    output (a dataclass would need Optional fields and a None check at every read).
+
+    One writer: every key is ReadOnly, so mypy refuses `mb[key] = ...` anywhere; a microbatch is
+    made only by `build_microbatch`, and later fields are added only
+    through `attach` (or `scatter_rows`, which calls it). Tensors are [b, s] unless noted;
+    b counts padding rows (`row_weight` 0), the first `real_rows` rows are real.
+    """
+
+    input_ids: ReadOnly[torch.Tensor]  # long [b, s], right-padded
+    loss_mask: ReadOnly[torch.Tensor]  # 1 on completion tokens, 0 on the prompt and padding
+    rewards: ReadOnly[torch.Tensor]  # [b]
+    row_weight: ReadOnly[torch.Tensor]  # [b]: 1 for real rows, 0 for padding rows
+    loss_scale: ReadOnly[torch.Tensor]  # 0-dim: mean over microbatches of loss x scale = mean over real rows
+    real_rows: ReadOnly[int]
+    gen_logprobs: ReadOnly[NotRequired[torch.Tensor]]  # the generator's, when the samples carry them
+    row_index: ReadOnly[NotRequired[torch.Tensor]]  # [b], under a token budget: each row's position in `rows`
+    # attached by `prepare` (`attach`):
+    ref_logprobs: ReadOnly[NotRequired[torch.Tensor]]
+    old_logprobs: ReadOnly[NotRequired[torch.Tensor]]  # the learner's before the update
+    is_weights: ReadOnly[NotRequired[torch.Tensor]]  # behaviour weights per token
+    is_sequence_weights: ReadOnly[NotRequired[torch.Tensor]]  # [b], per row
+    advantages: ReadOnly[NotRequired[torch.Tensor]]  # [b] (RLOO, GRPO) or [b, s] (PPO)
+    old_values: ReadOnly[NotRequired[torch.Tensor]]  # PPO: V_old
+    returns: ReadOnly[NotRequired[torch.Tensor]]  # PPO
+
+
+# The fields `prepare` attaches, and the per-row ones `real_rows_of` reads.
+Attached = Literal["ref_logprobs", "old_logprobs", "is_weights", "is_sequence_weights", "advantages",
+                   "old_values", "returns"]
+PerRow = Literal["rewards", "row_weight", "gen_logprobs", "advantages", "is_sequence_weights"]
+
+
+def build_microbatch(batch: TrainBatch, sl: torch.Tensor, real: int, row_index: torch.Tensor | None,
+                     loss_scale: float, device: torch.device | str | None = None) -> Microbatch:
+    """Rows `sl` of `batch`, the first `real` of them real, on `device`; `loss_scale`: mean over
+    microbatches of (loss_mb * scale) == mean over all real rows / pairs. The only constructor."""
+    def to(t: torch.Tensor) -> torch.Tensor:
+        return t if device is None else t.to(device)
+
+    mb = Microbatch(input_ids=to(batch.input_ids[sl]), loss_mask=to(batch.completion_mask[sl]),
+                    rewards=to(batch.rewards[sl]), row_weight=to((torch.arange(len(sl)) < real).float()),
+                    loss_scale=to(torch.tensor(loss_scale)), real_rows=real)
+    if batch.gen_logprobs is not None:
+        mb = Microbatch(**mb, gen_logprobs=to(batch.gen_logprobs[sl]))
+    if row_index is not None:
+        mb = Microbatch(**mb, row_index=to(row_index))
+    return mb
+
+
+def attach(mbs: list[Microbatch], key: Attached, values: Iterable[torch.Tensor]) -> None:
+    """Set `mb[key]` to one value per microbatch (a forward pass's per-token output, advantages, ...):
+    the one place a field is added to a built microbatch (they are ReadOnly to everything else)."""
+    values = list(values)
+    if len(values) != len(mbs):
+        raise ValueError(f"{key}: {len(values)} values for {len(mbs)} microbatches")
+    for mb, value in zip(mbs, values):
+        cast("dict[str, torch.Tensor]", mb)[key] = value
+
+
 Rule = tuple[bool, str, Any, str]  # (holds, key, value, why): a config requirement of an algorithm
 
 
 class LearnerModels(Protocol):
-    """The learner's forward passes an algorithm may ask for (no gradients; `learner.logprobs`)."""
+    """The learner's forward passes an algorithm may ask for (no gradients; `learner.schedule`)."""
 
     def reference_logprobs(self, microbatches: list[Microbatch]) -> list[torch.Tensor]: ...
     def policy_logprobs(self, microbatches: list[Microbatch]) -> list[torch.Tensor]: ...
@@ -113,7 +179,8 @@ class Algorithm:
         per_unit = 2 if self.pairwise else 1
         if max_tokens:
             groups = token_budget_groups(rows, per_unit, micro_batch_size, max_tokens)
-            layout = [(collate([rows[i] for i in g], pad_id), torch.arange(len(g)), len(g), torch.tensor(g)) for g in groups]
+            layout: list[tuple[TrainBatch, torch.Tensor, int, torch.Tensor | None]] = [
+                (collate([rows[i] for i in g], pad_id), torch.arange(len(g)), len(g), torch.tensor(g)) for g in groups]
         else:
             batch = collate(rows, pad_id)
             n = len(rows)
@@ -122,27 +189,8 @@ class Algorithm:
             index = torch.cat([torch.arange(n), torch.zeros(n_mb * size - n, dtype=torch.long)])
             layout = [(batch, index[m * size:(m + 1) * size], min(size, n - m * size), None) for m in range(n_mb)]
         n_units, n_mb = len(rows) // per_unit, len(layout)
-        return [self._microbatch(batch, sl, real, row_index, loss_scale=(real // per_unit) * n_mb / n_units, device=device)
+        return [build_microbatch(batch, sl, real, row_index, loss_scale=(real // per_unit) * n_mb / n_units, device=device)
                 for batch, sl, real, row_index in layout]
-
-    @staticmethod
-    def _microbatch(batch: TrainBatch, sl: torch.Tensor, real: int, row_index: torch.Tensor | None,
-                    loss_scale: float, device) -> Microbatch:
-        """Rows `sl` of `batch`, the first `real` of them real; `loss_scale`: mean over microbatches
-        of (loss_mb * scale) == mean over all real rows / pairs."""
-        mb = {
-            "input_ids": batch.input_ids[sl],
-            "loss_mask": batch.completion_mask[sl],
-            "rewards": batch.rewards[sl],
-            "row_weight": (torch.arange(len(sl)) < real).float(),
-            "loss_scale": torch.tensor(loss_scale),
-            "real_rows": real,
-        }
-        if batch.gen_logprobs is not None:
-            mb["gen_logprobs"] = batch.gen_logprobs[sl]
-        if row_index is not None:
-            mb["row_index"] = row_index
-        return {k: v.to(device) if isinstance(v, torch.Tensor) and device is not None else v for k, v in mb.items()}
 
     def prepare(self, minibatches: list[list[Microbatch]], models: LearnerModels, k: int,
                 old_from_training: bool = False) -> dict[str, torch.Tensor]:
@@ -158,17 +206,14 @@ class Algorithm:
         one optimizer step will read them off its training forward (`monitor_from_training`):
         the learner then calls `staleness` after that step."""
         for mbs in minibatches:
-            for mb, ref in zip(mbs, models.reference_logprobs(mbs)):
-                mb["ref_logprobs"] = ref
+            attach(mbs, "ref_logprobs", models.reference_logprobs(mbs))
             if self.loss_needs_old_logprobs(mbs) or (self.monitors(mbs) and not old_from_training):
-                for mb, old in zip(mbs, models.policy_logprobs(mbs)):
-                    mb["old_logprobs"] = old
+                attach(mbs, "old_logprobs", models.policy_logprobs(mbs))
             if self.correction != "none" and "old_logprobs" in mbs[0] and self.monitors(mbs):
                 caps = (self.cfg.is_cap, self.cfg.icepop_low, self.cfg.icepop_high)
-                for mb in mbs:
-                    args = (mb["old_logprobs"], mb["gen_logprobs"], mb["loss_mask"])
-                    mb["is_weights"] = behaviour_weights(*args, self.correction, *caps)
-                    mb["is_sequence_weights"] = sequence_weights(*args, self.correction, *caps)
+                args = [(mb["old_logprobs"], mb["gen_logprobs"], mb["loss_mask"]) for mb in mbs]
+                attach(mbs, "is_weights", [behaviour_weights(*a, self.correction, *caps) for a in args])
+                attach(mbs, "is_sequence_weights", [sequence_weights(*a, self.correction, *caps) for a in args])
         return self.staleness(minibatches)
 
     def loss_needs_old_logprobs(self, mbs: list[Microbatch]) -> bool:
@@ -202,7 +247,7 @@ class Algorithm:
         raise NotImplementedError
 
     def loss(self, logprobs: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, dict]:
-        """`learner.logprobs.forward_backward`'s loss_fn: the scaled policy loss, plus the KL to the
+        """`learner.schedule.forward_backward`'s loss_fn: the scaled policy loss, plus the KL to the
         reference and the learner-vs-generator logprob gap on the trained tokens."""
         n, mask = mb["real_rows"], mb["loss_mask"]
         metrics = {}
@@ -214,7 +259,7 @@ class Algorithm:
             metrics["logprob_diff/learner_vs_generator"] = diff.sum() / mask[:n].sum().clamp(min=1)
         return loss * mb["loss_scale"], {**m, **metrics}
 
-    value_loss = None  # (values, mb) -> (loss, metrics) for algorithms with a value model
+    value_loss: Callable[[torch.Tensor, Microbatch], tuple[torch.Tensor, dict]] | None = None  # with a value model
 
 
 def split_units(rows: list, unit: int, n: int) -> list[list]:
@@ -264,17 +309,18 @@ def in_row_order(mbs: list[Microbatch], per_row: list[torch.Tensor]) -> torch.Te
     return ordered
 
 
-def real_rows_of(mbs: list[Microbatch], key: str) -> torch.Tensor:
+def real_rows_of(mbs: list[Microbatch], key: PerRow) -> torch.Tensor:
     """`mb[key]`'s real rows of every microbatch, concatenated in row order."""
     return in_row_order(mbs, [mb[key] for mb in mbs])
 
 
-def scatter_rows(mbs: list[Microbatch], key: str, values: torch.Tensor) -> None:
+def scatter_rows(mbs: list[Microbatch], key: Attached, values: torch.Tensor) -> None:
     """Inverse of `real_rows_of`: per-row `values` into `mb[key]` of each microbatch, 0 on padding rows."""
     if "row_index" in mbs[0]:
         values = values[torch.cat([mb["row_index"] for mb in mbs]).to(values.device)]  # microbatch order
-    start = 0
+    per_mb, start = [], 0
     for mb in mbs:
         n, b = mb["real_rows"], mb["input_ids"].shape[0]
-        mb[key] = torch.cat([values[start:start + n], values.new_zeros((b - n,) + values.shape[1:])])
+        per_mb.append(torch.cat([values[start:start + n], values.new_zeros((b - n,) + values.shape[1:])]))
         start += n
+    attach(mbs, key, per_mb)

@@ -22,7 +22,7 @@ Sequence packing (no padding, cu_seqlens) is not implemented: batches are padded
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Iterable, Sequence
 
 import torch
@@ -67,8 +67,9 @@ class TrainBatch:
     prompt_index: torch.Tensor  # [B] long
 
     def to(self, device) -> "TrainBatch":
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return TrainBatch(**{k: v if v is None else v.to(device) for k, v in moved.items()})
+        moved: dict[str, torch.Tensor] = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                          if getattr(self, f.name) is not None}
+        return replace(self, **moved)
 
 
 def _check_reward(s: Sample) -> float:
@@ -184,7 +185,7 @@ def collate(samples: Sequence[Sample], pad_id: int, max_len: int | None = None, 
         input_ids[b, p:n] = torch.tensor(list(s.completion_ids), dtype=torch.long)
         attention_mask[b, :n] = 1
         completion_mask[b, p:n] = 1.0
-        if gen_logprobs is not None:
+        if gen_logprobs is not None and s.logprobs is not None:  # all samples have them
             gen_logprobs[b, p:n] = torch.tensor(list(s.logprobs), dtype=torch.float32)
     return TrainBatch(
         input_ids=input_ids,

@@ -21,7 +21,7 @@ from typing import Iterable
 import torch
 
 from megatron_async.algorithms.batching import Sample, group_samples
-from megatron_async.algorithms.base import Algorithm, LearnerModels, Microbatch, Rule
+from megatron_async.algorithms.base import Algorithm, LearnerModels, Microbatch, Rule, attach
 from megatron_async.algorithms.losses import (
     gae,
     kl_penalized_rewards,
@@ -61,8 +61,7 @@ class PPO(Algorithm):
         then advantages and returns over ALL the given microbatches (`add_advantages`)."""
         stats = super().prepare(minibatches, models, k, old_from_training)
         for mbs in minibatches:
-            for mb, value in zip(mbs, models.values(mbs)):
-                mb["old_values"] = value
+            attach(mbs, "old_values", models.values(mbs))
         return {**stats, **self.add_advantages([mb for mbs in minibatches for mb in mbs])}
 
     def add_advantages(self, mbs: list[Microbatch]) -> dict[str, torch.Tensor]:
@@ -77,23 +76,28 @@ class PPO(Algorithm):
                              "and some samples came without them")
         c = self.cfg
         tokens = []  # per microbatch: [b, s], 1 on completion tokens of real rows
+        advantages, returns_of = [], []
         for mb in mbs:
             mask = mb["loss_mask"]
             rewards = kl_penalized_rewards(mb["rewards"], mb["gen_logprobs"], mb["ref_logprobs"], mask, c.beta)
-            mb["advantages"], mb["returns"] = gae(rewards, mb["old_values"], mask, c.gamma, c.lam)
+            adv, ret = gae(rewards, mb["old_values"], mask, c.gamma, c.lam)
+            advantages.append(adv)
+            returns_of.append(ret)
             real = torch.arange(mask.shape[0], device=mask.device) < mb["real_rows"]
             tokens.append(((mask > 0) & real[:, None]).to(mask.dtype))
-        # microbatches of different minibatches may differ in length: flatten before joining
-        flat = {key: torch.cat([mb[key].flatten() for mb in mbs]) for key in ("advantages", "returns", "old_values")}
-        on = torch.cat([t.flatten() for t in tokens])
-        white = masked_whiten(flat["advantages"], on).split([t.numel() for t in tokens])
-        for mb, w in zip(mbs, white):
-            mb["advantages"] = w.view_as(mb["advantages"])
-        returns, values = flat["returns"], flat["old_values"]
+        attach(mbs, "returns", returns_of)
+
+        def flat(per_mb: list[torch.Tensor]) -> torch.Tensor:  # microbatches may differ in length
+            return torch.cat([t.flatten() for t in per_mb])
+
+        raw_advantages, on = flat(advantages), flat(tokens)
+        white = masked_whiten(raw_advantages, on).split([t.numel() for t in tokens])
+        attach(mbs, "advantages", [w.view_as(a) for w, a in zip(white, advantages)])
+        returns, values = flat(returns_of), flat([mb["old_values"] for mb in mbs])
         residual = returns - values
         kl = torch.cat([sequence_kl(mb["gen_logprobs"], mb["ref_logprobs"], mb["loss_mask"])[:mb["real_rows"]]
                         for mb in mbs])
-        return {"ppo/kl": kl.mean(), "ppo/advantage_raw_mean": masked_mean(flat["advantages"], on),
+        return {"ppo/kl": kl.mean(), "ppo/advantage_raw_mean": masked_mean(raw_advantages, on),
                 "ppo/return_mean": masked_mean(returns, on), "ppo/value_old_mean": masked_mean(values, on),
                 # 1 - Var(R - V) / Var(R): how much of the returns' variance V_old explains (1 = all)
                 "ppo/explained_variance": 1 - _masked_var(residual, on) / _masked_var(returns, on).clamp(min=1e-8)}

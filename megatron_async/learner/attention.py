@@ -10,7 +10,7 @@ dict) and replaces `forward`. The Transformer Engine spec (CUDA with TE) has its
 attention and does not use this.
 
 What it supports is what our models use: causal self-attention (every mask the learner passes is
-the causal one, `learner.logprobs._causal_mask`), no dropout, no attention bias or packed
+the causal one, `learner.schedule._causal_mask`), no dropout, no attention bias or packed
 sequences, megatron's "vanilla" softmax; anything else is refused when the layer is built.
 """
 from __future__ import annotations

@@ -1,28 +1,13 @@
-"""Per-token log-probabilities (or values) and losses through megatron's pipeline schedules.
+"""Per-token log-probabilities and values from the model's output: the maths of the last stage.
 
-One path serves all: `forward_backward(model, microbatches, loss_fn)` runs megatron's
-`get_forward_backward_func()` (no pipelining, or 1F1B when PP > 1) and, on the last stage, turns
-the model's output into one number per token, then calls `loss_fn` on it. For the policy that is
-the logprob of each token: the model returns its final hidden states (its LM head is deferred,
-`learner.lm_head`) and `token_logprobs` projects them to vocab-parallel logits, all at once or a
-chunk of tokens at a time (`trainer.logits_chunk_mb`), through megatron's
+The schedule (`learner.schedule.forward_backward`) calls these on the last pipeline stage. For
+the policy, `token_logprobs` turns the model's final hidden states (its LM head is deferred,
+`learner.lm_head`) into the logprob of each token: it projects them to vocab-parallel logits, all
+at once or a chunk of tokens at a time (`trainer.logits_chunk_mb`), through megatron's
 `vocab_parallel_cross_entropy` (full-vocabulary logits are never gathered); for a PPO value model
-(`learner.value`) it is the value of the state each token was generated from. The model's record
-decides which (`LearnerModel.value_head`), so `learner.optimizer.train_step` serves both. `compute_logprobs` and
-`compute_values` are `forward_backward` with a loss_fn that records the per-token output.
+(`learner.value`) `token_values` gives the value of the state each token was generated from.
 
-Microbatch contract: a dict with
-  "input_ids": LongTensor [b, s], right-padded (causal attention keeps padding out of real
-               tokens' logprobs);
-  "loss_mask": optional [b, s], 1 for tokens whose logprob counts (completion), 0 for prompt and
-               padding;
-  any other keys, passed through to `loss_fn` (advantages, reference logprobs, ...).
-All microbatches of one call share the same [b, s] (pipeline p2p buffers have a fixed shape).
-With sequence parallelism (`parallel.sequence_parallel`) the model sees input_ids right-padded to a
-multiple of TP (it splits the sequence over TP ranks); causal attention keeps the extra positions
-out of the real ones, and they are cut off before `loss_fn`, which sees [b, s] as given.
-Logprobs are aligned with input_ids: `logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`,
-`logprobs[:, 0] = 0`, and positions where loss_mask is 0 are 0. Values likewise:
+Alignment: `logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`, `logprobs[:, 0] = 0`;
 `values[:, t] = V(input_ids[:, :t])`, the state token t was sampled in (TRL's alignment).
 
 Vocabulary padding (`LearnerModel.padded_vocab_size`): the logits have padded_vocab_size / TP
@@ -32,19 +17,12 @@ model's and the padding rows get no gradient.
 """
 from __future__ import annotations
 
-import contextlib
-from functools import partial
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-from megatron_async.learner.lm_head import LMHead, lm_head
-from megatron_async.learner.model import LearnerModel, unwrap_model, vocab_shard_real_rows
-
-LossFn = Callable[[torch.Tensor, dict], "tuple[torch.Tensor, dict]"]
-
+from megatron_async.learner.lm_head import LMHead
+from megatron_async.learner.model import vocab_shard_real_rows
 
 def mask_vocab_padding(logits: torch.Tensor, vocab_size: int | None, tp: int | None = None,
                        rank: int | None = None) -> torch.Tensor:
@@ -158,162 +136,3 @@ def token_values(output: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """[b, s, 1] value-head output -> [b, s] values aligned like logprobs: position t gets the
     value of the prefix before token t (the head's output at t - 1); position 0 gets 0."""
     return torch.nn.functional.pad(output[:, :-1, 0].float(), (1, 0))
-
-
-def _causal_mask(s: int, device) -> torch.Tensor:
-    # megatron convention: True = masked out. Passed explicitly (the default mask is built on CUDA).
-    return torch.ones(s, s, dtype=torch.bool, device=device).triu(1).view(1, 1, s, s)
-
-
-def seq_multiple(chunks: list) -> int:
-    """The model's sequence length must be a multiple of this: TP under sequence parallelism, else 1."""
-    config = unwrap_model(chunks[0]).config
-    return config.tensor_model_parallel_size if config.sequence_parallel else 1
-
-
-def _forward_step(data_iterator, model, *, loss_fn: LossFn, per_token: Callable, multiple: int):
-    mb = next(data_iterator)
-    device = next(model.parameters()).device
-    mb = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
-    tokens = mb["input_ids"]
-    b, s = tokens.shape
-    run_len = -(-s // multiple) * multiple
-    if run_len > s:  # sequence parallelism: pad to a multiple of TP; cut off again before the loss
-        tokens = torch.nn.functional.pad(tokens, (0, run_len - s))
-    position_ids = torch.arange(run_len, device=device).expand(b, run_len)
-    output = model(tokens, position_ids, _causal_mask(run_len, device))
-    return output, partial(_loss_on_last_stage, mb, tokens, unwrap_model(model), loss_fn=loss_fn, per_token=per_token)
-
-
-def _loss_on_last_stage(mb: dict, tokens: torch.Tensor, gpt, output: torch.Tensor, *, loss_fn: LossFn,
-                        per_token: Callable):
-    s = mb["input_ids"].shape[1]
-    out = per_token(gpt)(output, tokens)[:, :s]  # [b, s] logprobs or values (sequence-parallel padding cut off)
-    if "loss_mask" in mb:
-        out = out * mb["loss_mask"].to(out.dtype)
-    loss, metrics = loss_fn(out, mb)
-    # The schedule divides the returned loss in place by the number of microbatches: log a clone.
-    metrics = {"loss": loss.detach().clone(), **{k: torch.as_tensor(v).detach().float() for k, v in metrics.items()}}
-    return loss, metrics
-
-
-def _largest_microbatch(microbatches: list[dict], chunks) -> tuple[int, int]:
-    """[batch, seq] of the largest microbatch. Shapes may differ (trainer.micro_batch_tokens) where
-    the model's config exchanges them between pipeline stages (`variable_seq_lengths`, on for PP > 1)."""
-    if not microbatches:
-        raise ValueError("no microbatches")
-    shapes = {tuple(mb["input_ids"].shape) for mb in microbatches}
-    config = unwrap_model(chunks[0]).config
-    if len(shapes) > 1 and config.pipeline_model_parallel_size > 1 and not config.variable_seq_lengths:
-        raise ValueError(f"microbatches of different [batch, seq] shapes {sorted(shapes)} need the model's "
-                         f"variable_seq_lengths under pipeline parallelism (learner/model.py)")
-    return max(b for b, _ in shapes), max(s for _, s in shapes)
-
-
-def _reduce_metrics(store: list[dict], device) -> dict[str, float]:
-    """Mean over microbatches and DP ranks on the last stage, then broadcast to the whole pipeline."""
-    from megatron.core import parallel_state as ps
-
-    metrics = None
-    if ps.is_pipeline_last_stage():
-        keys = sorted(store[0])
-        values = torch.stack([torch.stack([m[k].to(device).float().reshape(()) for k in keys]) for m in store]).mean(0)
-        if ps.get_data_parallel_world_size() > 1:
-            dist.all_reduce(values, group=ps.get_data_parallel_group())
-            values /= ps.get_data_parallel_world_size()
-        metrics = dict(zip(keys, values.tolist()))
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        box = [metrics]
-        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
-                                   group=ps.get_pipeline_model_parallel_group())
-        metrics = box[0]
-    return metrics
-
-
-def forward_backward(model: LearnerModel, microbatches: list[dict], loss_fn: LossFn, forward_only: bool = False,
-                     temperature: float = 1.0) -> dict[str, float]:
-    """Run forward (and backward unless `forward_only`) over `microbatches` with megatron's schedule.
-
-    `loss_fn(logprobs [b, s], microbatch) -> (scalar loss, metrics dict)` runs on the last pipeline
-    stage for each microbatch (a value model passes values [b, s] instead of logprobs). Gradients
-    accumulate as the mean of the per-microbatch losses (and, under megatron DDP, over DP ranks).
-    Returns the metrics averaged over microbatches and DP ranks, with the loss under "loss", on
-    EVERY rank. For training, `model` must be the record `learner.optimizer.build_optimizer`
-    returned (its chunks carry the grad-sync hooks); call `optimizer.step()` afterwards and zero
-    the grads before the next call.
-    """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    chunks = model.chunks
-
-    def per_token(gpt) -> Callable:  # (GPTModel output, input_ids) -> [b, s], for this stage's GPTModel
-        if model.value_head:
-            return token_values
-        return partial(token_logprobs, head=lm_head(gpt), temperature=temperature,
-                       vocab_size=model.arch.vocab_size,  # padding rows masked
-                       chunk_bytes=model.logits_chunk_bytes)
-
-    b, s = _largest_microbatch(microbatches, chunks)
-    multiple = seq_multiple(chunks)
-    run_len = -(-s // multiple) * multiple  # the schedule's seq_length: p2p shapes where they do not vary
-    grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
-    with grad_ctx:
-        store = get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, loss_fn=loss_fn, per_token=per_token, multiple=multiple),
-            data_iterator=iter(microbatches),
-            model=chunks,
-            num_microbatches=len(microbatches),
-            seq_length=run_len,
-            micro_batch_size=b,
-            forward_only=forward_only,
-        )
-    return _reduce_metrics(store, next(chunks[0].parameters()).device)
-
-
-def compute_logprobs(model: LearnerModel, microbatches: list[dict], temperature: float = 1.0) -> list[torch.Tensor]:
-    """Per-token logprobs ([b, s] float32 per microbatch, aligned with input_ids, masked by
-    loss_mask) without gradients, on every rank (broadcast from the last pipeline stage)."""
-    return _per_token_no_grad(model, microbatches, temperature, values=False)
-
-
-def compute_values(model: LearnerModel, microbatches: list[dict]) -> list[torch.Tensor]:
-    """`compute_logprobs` for a value model (`learner.value`): per-token values V(input_ids[:, :t])."""
-    return _per_token_no_grad(model, microbatches, 1.0, values=True)
-
-
-def _per_token_no_grad(model: LearnerModel, microbatches: list[dict], temperature: float,
-                       values: bool) -> list[torch.Tensor]:
-    if model.value_head != values:
-        raise TypeError(f"compute_{'values' if values else 'logprobs'} got a {'language' if values else 'value'} model")
-    collected = []
-
-    def record(per_token, mb):
-        collected.append(per_token.detach())
-        return per_token.new_zeros(()), {}
-
-    forward_backward(model, microbatches, record, forward_only=True, temperature=temperature)
-    return share_with_pipeline(collected, microbatches, next(model.chunks[0].parameters()).device)
-
-
-def recording(loss_fn: LossFn, store: list) -> LossFn:
-    """`loss_fn` that also appends each microbatch's per-token output (detached, as `loss_fn` gets
-    it: masked by loss_mask) to `store`, in microbatch order, on the last pipeline stage; with
-    `share_with_pipeline` afterwards, a training pass yields the logprobs `compute_logprobs` would
-    have given on the weights it started from."""
-    def loss_and_record(per_token, mb):
-        store.append(per_token.detach())
-        return loss_fn(per_token, mb)
-    return loss_and_record
-
-
-def share_with_pipeline(collected: list[torch.Tensor], microbatches: list[dict], device) -> list[torch.Tensor]:
-    """Per-token tensors ([b, s] float32 per microbatch) collected on the last pipeline stage,
-    broadcast to every stage (a no-op without pipeline parallelism)."""
-    from megatron.core import parallel_state as ps
-
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        if not ps.is_pipeline_last_stage():
-            collected = [torch.empty(mb["input_ids"].shape, dtype=torch.float32, device=device) for mb in microbatches]
-        for t in collected:
-            dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
-    return collected

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_async.learner.logprobs import LossFn, forward_backward
+from megatron_async.learner.schedule import MB, LossFn, forward_backward
 from megatron_async.learner.model import LearnerModel
 
 
@@ -147,7 +147,7 @@ def grads_are_finite(ddp_chunks: list) -> bool:
     return flag.item() == 0.0
 
 
-def train_step(model: LearnerModel, optimizer, scheduler, microbatches: list[dict], loss_fn: LossFn,
+def train_step(model: LearnerModel, optimizer, scheduler, microbatches: list[MB], loss_fn: LossFn[MB],
                sync_params: bool = True) -> dict[str, float]:
     """One optimizer step over `microbatches` (gradient accumulation across them).
 

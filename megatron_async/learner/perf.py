@@ -32,7 +32,7 @@ local spec on bare megatron-core (it would import that missing extension in bf16
 persist_layer_norm never (only apex's FusedLayerNorm reads it, and the local spec's torch RMSNorm
 asserts it is off).
 
-Sequence parallel splits the sequence over TP ranks, so `learner.logprobs` pads each microbatch's
+Sequence parallel splits the sequence over TP ranks, so `learner.schedule` pads each microbatch's
 sequence to a multiple of TP (extra positions are cut before the loss). overlap_param_gather
 defers the parameter all-gather after an optimizer step to the next forward; `train_step` forces
 it before returning (weights are read right after a step: weight sync, checkpoints, export)

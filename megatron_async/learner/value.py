@@ -3,7 +3,7 @@
     model = build_value_model(init_model)      # this rank's stage, the policy's initial trunk, zero head
     model = build_value_model(rm_dir, from_reward_model=True)   # the reward model's trunk and head
     ddp, optimizer, scheduler = learner.optimizer.build_optimizer(model, settings)
-    values = learner.logprobs.compute_values(ddp, microbatches)   # [b, s] per microbatch
+    values = learner.schedule.compute_values(ddp, microbatches)   # [b, s] per microbatch
 
 Design: the same `GPTModel` as the policy (built and loaded by `learner.model.build_model` and
 `learner.mapping.load_hf_weights`, so TP/PP sharding, the pipeline schedule, DDP, the optimizer

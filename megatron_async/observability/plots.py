@@ -4,12 +4,13 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
+from typing import Sequence
 
 from megatron_async.io_utils import atomic_write_bytes
 
 
 def plot_training(history: list[dict], out: str | os.PathLike, title: str = "",
-                  held_out: list[tuple[int, float]] = ()) -> Path:
+                  held_out: Sequence[tuple[int, float]] = ()) -> Path:
     """Six panels by learner step: reward (and `held_out`: the held-out greedy metric as (step, value)
     after that step's weights, step -1 = before training), KL to the reference, loss (and the
     fraction of weights each sync changed), time per step by phase (and the learner's padding

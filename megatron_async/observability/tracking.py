@@ -10,7 +10,7 @@ outbox in batches. When the server is unreachable the thread warns once, keeps e
 retries with backoff; training never waits on the network. At `close()` whatever still cannot be
 delivered is written to `<run dir>/mlflow_pending.jsonl` (with a warning), and the next tracker
 opened on the same run dir (`--resume`) delivers it first. Only one rank logs (`build_tracker`
-returns a `NullTracker` elsewhere).
+returns a `NullTracker` elsewhere). Callers hold a `Tracker`, the protocol both satisfy.
 """
 from __future__ import annotations
 
@@ -21,9 +21,12 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from megatron_async.observability.logs import route_through_root
+
+if TYPE_CHECKING:
+    from megatron_async.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +34,30 @@ PENDING_FILE = "mlflow_pending.jsonl"
 RUN_ID_FILE = "mlflow_run_id"
 
 
+class Tracker(Protocol):
+    """What the run logs to: `MlflowTracker` on the logging rank, `NullTracker` elsewhere. Every
+    call returns at once (delivery is the tracker's business); `flush` waits for it."""
+
+    @property
+    def run_id(self) -> str | None: ...  # None: nothing is recorded
+    @property
+    def uri(self) -> str | None: ...  # where the runs are stored
+    @property
+    def resumed(self) -> bool: ...  # logging into a run opened before (its params are logged already)
+
+    def log_params(self, params: dict[str, Any]) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None: ...
+    def flush(self, timeout: float = 30.0) -> bool: ...
+    def close(self) -> None: ...
+
+
 class NullTracker:
     """Tracker of ranks that do not log, and of runs with tracking.enabled=false."""
 
-    run_id = None
-    resumed = False
+    run_id: str | None = None
+    uri: str | None = None
+    resumed: bool = False
 
     def log_params(self, params: dict[str, Any]) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
@@ -214,7 +236,7 @@ def _is_rejected(e: Exception) -> bool:
         "INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS", "INVALID_STATE")
 
 
-def build_tracker(cfg, rank: int = 0):
+def build_tracker(cfg: Config, rank: int = 0) -> Tracker:
     """The MLflow tracker on the logging rank (global rank 0), a NullTracker elsewhere."""
     if rank != 0 or not cfg.tracking.enabled:
         return NullTracker()

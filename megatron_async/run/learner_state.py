@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from megatron_async.algorithms import Algorithm, build_algorithm, dp_shard, split_units
+from megatron_async.algorithms.base import Microbatch, attach
 from megatron_async.algorithms.batching import Sample
 from megatron_async.config import Config, ConfigError, model_dtype
-from megatron_async.learner.logprobs import compute_logprobs, compute_values, recording, share_with_pipeline
+from megatron_async.learner.schedule import compute_logprobs, compute_values, recording, share_with_pipeline
 from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
 from megatron_async.learner.model import LearnerModel, build_model, read_arch
 from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
@@ -46,7 +47,7 @@ class Trainable:
     optimizer: MegatronOptimizer
     scheduler: OptimizerParamScheduler
 
-    def train_step(self, microbatches: list[dict], loss_fn, sync_params: bool = True) -> dict[str, float]:
+    def train_step(self, microbatches: list[Microbatch], loss_fn, sync_params: bool = True) -> dict[str, float]:
         """One optimizer step over `microbatches` (`learner.optimizer.train_step`; `sync_params=False`
         leaves an overlapped parameter gather running into the next step)."""
         return train_step(self.model, self.optimizer, self.scheduler, microbatches, loss_fn, sync_params=sync_params)
@@ -102,13 +103,15 @@ class LearnerState:
         return cls(cfg, layout, algorithm, Trainable(*build_optimizer(policy, settings)), reference, value, pad_id)
 
     # -- algorithms.LearnerModels: the forward passes a batch's preparation asks for ---------------
-    def reference_logprobs(self, microbatches: list[dict]) -> list[torch.Tensor]:
+    def reference_logprobs(self, microbatches: list[Microbatch]) -> list[torch.Tensor]:
         return compute_logprobs(self.reference, microbatches)
 
-    def policy_logprobs(self, microbatches: list[dict]) -> list[torch.Tensor]:
+    def policy_logprobs(self, microbatches: list[Microbatch]) -> list[torch.Tensor]:
         return compute_logprobs(self.policy.model, microbatches)
 
-    def values(self, microbatches: list[dict]) -> list[torch.Tensor]:
+    def values(self, microbatches: list[Microbatch]) -> list[torch.Tensor]:
+        if self.value is None:
+            raise TypeError(f"{self.algorithm.name} has no value model")
         return compute_values(self.value.model, microbatches)
 
     # -- one learner step ------------------------------------------------------------------------
@@ -155,8 +158,7 @@ class LearnerState:
                 value_metrics.append(self.value.train_step(mbs, algo.value_loss, sync_params=i == last))
         if old_from_training:
             (mbs,) = minibatches
-            for mb, old in zip(mbs, share_with_pipeline(trained_logprobs, mbs, self.layout.device)):
-                mb["old_logprobs"] = old
+            attach(mbs, "old_logprobs", share_with_pipeline(trained_logprobs, mbs, self.layout.device))
             metrics.update({key: float(v) for key, v in algo.staleness(minibatches).items()})
         return {**metrics, **mean_metrics(policy_metrics, "train/"), **mean_metrics(value_metrics, "train_value/")}
 

@@ -22,7 +22,7 @@ from megatron_async.config import Config
 from megatron_async.io_utils import atomic_write_text
 from megatron_async.observability.logs import log_file
 from megatron_async.observability.plots import plot_training
-from megatron_async.observability.tracking import MlflowTracker, NullTracker
+from megatron_async.observability.tracking import Tracker
 from megatron_async.rollout.producer import RolloutBatch
 from megatron_async.run.evaluate import EVAL_METRIC
 
@@ -50,7 +50,7 @@ class StepReport:
     """Rank 0's record of the run's steps (`history`) and its end-of-run outputs."""
 
     cfg: Config
-    tracker: NullTracker | MlflowTracker
+    tracker: Tracker
     history: list[dict] = field(default_factory=list)  # per trained step: {"step": s, **metrics}
 
     def record(self, step: int, batch: RolloutBatch, metrics: dict[str, float]) -> None:
@@ -101,7 +101,7 @@ def _process_seconds() -> float | None:
 
 
 def run_summary(cfg: Config, n_eval: int, before: float | None, after: float | None, wall_s: float | None,
-                png: Path | None, checkpoint: Path | None, tracker, log_path: Path | None) -> str:
+                png: Path | None, checkpoint: Path | None, tracker: Tracker, log_path: Path | None) -> str:
     """The end-of-run summary printed on the terminal: the held-out metric before -> after, wall
     time, and where the outputs are (checkpoint, HF export, plot, per-problem verdicts, MLflow run
     with the command that opens its UI, log file)."""
@@ -119,7 +119,7 @@ def run_summary(cfg: Config, n_eval: int, before: float | None, after: float | N
     lines.append(f"final model (HF): {run_dir / 'hf_final'}")
     if png is not None:
         lines.append(f"plot: {png}; metrics by step: {run_dir / 'history.json'}")
-    uri, run_id = getattr(tracker, "uri", None), getattr(tracker, "run_id", None)
+    uri, run_id = tracker.uri, tracker.run_id
     if uri and run_id:
         lines.append(f"MLflow run {run_id} in {uri}")
         if uri.startswith("sqlite:"):

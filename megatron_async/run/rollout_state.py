@@ -26,7 +26,7 @@ from pathlib import Path
 from megatron_async.config import Config, replica_dtype
 from megatron_async.data import PromptIterator, TokenizedPrompt, load_prompts, load_train_prompts
 from megatron_async.io_utils import atomic_write_text
-from megatron_async.observability.tracking import MlflowTracker, NullTracker
+from megatron_async.observability.tracking import Tracker
 from megatron_async.rewards import Scorer, make_scorer
 from megatron_async.rollout.build import start_pool
 from megatron_async.rollout.pool import ReplicaPool
@@ -131,7 +131,7 @@ class RolloutState:
                             score_seconds=time.monotonic() - t0, data_state=data_state)
 
     # -- evaluation, the controllers --------------------------------------------------------------
-    def evaluate(self, tag: str, version: int, tracker: NullTracker | MlflowTracker) -> float | None:
+    def evaluate(self, tag: str, version: int, tracker: Tracker) -> float | None:
         """The run's reward on greedy completions of the held-out prompts (run/evaluate.py: pass@1
         for exact match, the mean RM score for a reward model); None without held-out prompts."""
         if not self.eval_prompts:

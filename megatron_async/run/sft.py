@@ -25,6 +25,7 @@ from megatron_async.learner.model import build_model
 from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
 from megatron_async.learner.parallel import ParallelLayout
 from megatron_async.learner.perf import PerfSettings
+from megatron_async.observability.tracking import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def sft_rows(prompts, tokenizer) -> list[batching.Sample]:
     return rows
 
 
-def run_sft(cfg: Config, base: Path, tokenizer, layout: ParallelLayout, tracker) -> Path:
+def run_sft(cfg: Config, base: Path, tokenizer, layout: ParallelLayout, tracker: Tracker) -> Path:
     """`sft.steps` steps on the train split's reference solutions from `base`; -> the SFT model's HF dir."""
     out = cfg.run_dir / "sft_model"
     if (out / "config.json").exists():

@@ -43,7 +43,7 @@ from megatron_async.learner.hf_export import export_hf
 from megatron_async.learner.parallel import from_rank0, init_parallel
 from megatron_async.models.base_model import load_tokenizer, prepare_base_model
 from megatron_async.observability.timing import StepTimer
-from megatron_async.observability.tracking import MlflowTracker, NullTracker, build_tracker
+from megatron_async.observability.tracking import Tracker, build_tracker
 from megatron_async.rollout.build import replica_urls
 from megatron_async.rollout.producer import RolloutBatch
 from megatron_async.run import faults
@@ -67,7 +67,7 @@ class Trainer:
     ctrl: dist.ProcessGroup  # gloo group for control messages (objects) on CPU and GPU alike
     learner: LearnerState
     rollout: RolloutState | None  # rank 0 only
-    tracker: NullTracker | MlflowTracker
+    tracker: Tracker
     init_model: Path  # HF checkpoint of version 0 (the SFT model): replicas start from it
     weights: WeightUpdate  # every rank: one vLLM weight update end to end (weights/update.py)
     start_step: int = 0

@@ -48,7 +48,7 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(1)
     from megatron_async.config import load_config
-    from megatron_async.learner.logprobs import compute_logprobs
+    from megatron_async.learner.schedule import compute_logprobs
     from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
     from megatron_async.learner.model import build_model
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step

@@ -15,7 +15,7 @@ if __name__ == "__main__":
     from megatron_async.algorithms.batching import Sample
     from megatron_async.algorithms.online_dpo import OnlineDPO
     from megatron_async.config import TrainerConfig
-    from megatron_async.learner.logprobs import compute_logprobs
+    from megatron_async.learner.schedule import compute_logprobs
     from megatron_async.learner.model import build_model
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
     from megatron_async.learner.parallel import init_parallel

@@ -36,7 +36,7 @@ def hf_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def compare(src: Path, dtype: torch.dtype) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatron_async.learner.logprobs import compute_logprobs
+    from megatron_async.learner.schedule import compute_logprobs
     from megatron_async.learner.model import build_model
     from megatron_async.learner.mapping import load_hf_weights
 

@@ -57,7 +57,7 @@ def full_logits(model, ids):
 def run_model(src: Path, out: Path, tp: int):
     from safetensors.torch import load_file
     from megatron.core import parallel_state as ps
-    from megatron_async.learner.logprobs import compute_logprobs
+    from megatron_async.learner.schedule import compute_logprobs
     from megatron_async.learner.model import build_model
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
     from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights

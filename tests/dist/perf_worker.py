@@ -55,7 +55,7 @@ def gpu_local_spec(src: Path) -> dict:
 
 
 def padding(src: Path) -> dict:
-    from megatron_async.learner import logprobs as lp
+    from megatron_async.learner import schedule
     from megatron_async.learner.mapping import load_hf_weights
     from megatron_async.learner.model import build_model
     from megatron_async.learner.value import build_value_model
@@ -69,16 +69,16 @@ def padding(src: Path) -> dict:
     mbs = batches(model.arch.vocab_size)  # [2, 12]: 12 is not a multiple of 5
 
     def run():
-        return {"logprobs": lp.compute_logprobs(model, mbs), "values": lp.compute_values(values, mbs),
-                "loss": lp.forward_backward(model, mbs, nll, forward_only=True)["loss"]}
+        return {"logprobs": schedule.compute_logprobs(model, mbs), "values": schedule.compute_values(values, mbs),
+                "loss": schedule.forward_backward(model, mbs, nll, forward_only=True)["loss"]}
 
     plain = run()
-    real = lp.seq_multiple
-    lp.seq_multiple = lambda _chunks: 5  # what sequence parallelism at TP=5 asks for: run at length 15
+    real = schedule.seq_multiple
+    schedule.seq_multiple = lambda _chunks: 5  # what sequence parallelism at TP=5 asks for: run at length 15
     try:
         padded = run()
     finally:
-        lp.seq_multiple = real
+        schedule.seq_multiple = real
     diff = lambda a, b: max((x - y).abs().max().item() for x, y in zip(a, b))  # noqa: E731
     return {"shapes": [list(t.shape) for t in padded["logprobs"]], "logprob_diff": diff(plain["logprobs"], padded["logprobs"]),
             "value_diff": diff(plain["values"], padded["values"]), "value_scale": max(v.abs().max().item() for v in plain["values"]),

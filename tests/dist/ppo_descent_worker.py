@@ -30,12 +30,13 @@ if __name__ == "__main__":
     from megatron_async.algorithms.batching import Sample
     from megatron_async.algorithms.losses import sequence_logprobs
     from megatron_async.config import load_config
-    from megatron_async.learner.logprobs import compute_logprobs
+    from megatron_async.learner.schedule import compute_logprobs
     from megatron_async.learner.parallel import destroy_parallel, init_parallel
     from megatron_async.rollout.pool import Completion
     from megatron_async.rollout.producer import RolloutBatch
     from megatron_async.run.checkpoint import load_run_checkpoint, save_run_checkpoint
     from megatron_async.run.learner_state import LearnerState
+    from tests.batches import problems
 
     # gamma = lam = 1: the returns are the rewards-to-go, fixed targets for the value model
     cfg = load_config(None, [f"run.out_dir={Path(a.out).parent}", f"run.name=tp{a.tp}pp{a.pp}",
@@ -65,7 +66,7 @@ if __name__ == "__main__":
                                    token_ids=tuple(s.completion_ids), replica_id=0, policy_version=0, policy_version_max=0, finish_reason="stop",
                                    logprobs=tuple(gen[i, len(s.prompt_ids):len(s.prompt_ids) + len(s.completion_ids)].tolist()))
                         for i, s in enumerate(samples) if s.prompt_index == prompt] for prompt in range(4)]
-        batch = RolloutBatch(index=0, policy_version=0, problems=[None] * 4, completions=completions,
+        batch = RolloutBatch(index=0, policy_version=0, problems=problems(4), completions=completions,
                              rewards=[[1.0, 0.0]] * 4)
         updates = cfg.trainer.updates_per_batch
         history = [learner.step(batch, 0, updates) for _ in range(6)]

@@ -52,7 +52,7 @@ def run_layout(model_dir: Path, tp: int, pp: int, pool, urls, key, first_version
                dtype: torch.dtype) -> list[dict]:
     from megatron.core import parallel_state as ps
 
-    from megatron_async.learner.logprobs import compute_logprobs
+    from megatron_async.learner.schedule import compute_logprobs
     from megatron_async.learner.model import build_model
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
     from megatron_async.learner.parallel import init_parallel

@@ -20,7 +20,7 @@ if __name__ == "__main__":
     from transformers import AutoModelForSequenceClassification
 
     from megatron_async.config import load_config
-    from megatron_async.learner.logprobs import compute_values
+    from megatron_async.learner.schedule import compute_values
     from megatron_async.learner.parallel import destroy_parallel, init_parallel
     from megatron_async.run.learner_state import LearnerState
 

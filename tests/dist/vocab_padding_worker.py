@@ -60,9 +60,10 @@ def run_model(src: Path, out: Path):
     from megatron_async.learner.convert import hf_to_megatron, megatron_to_hf
     from megatron_async.learner.hf_export import export_hf
     from megatron_async.learner.lm_head import lm_head
-    from megatron_async.learner.logprobs import _causal_mask, compute_logprobs, token_logprobs
+    from megatron_async.learner.logprobs import token_logprobs
     from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
     from megatron_async.learner.model import build_model
+    from megatron_async.learner.schedule import _causal_mask, compute_logprobs
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
 
     name, rank0 = src.name, torch.distributed.get_rank() == 0
