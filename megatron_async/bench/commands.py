@@ -50,6 +50,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -123,7 +124,7 @@ def run_training(config: str, overrides: list[str], out_dir: Path, name: str, la
     history_path = run_dir / "history.json"
     if not history_path.exists():
         raise BenchError(f"{name}: {history_path} was not written (trainer too old?); log {log_path}")
-    result = {"name": name, "command": " ".join(cmd), "run_dir": str(run_dir), "log": str(log_path),
+    result: dict[str, Any] = {"name": name, "command": " ".join(cmd), "run_dir": str(run_dir), "log": str(log_path),
               "seconds_total": time.monotonic() - t0, "load_avg_before": list(load_before),
               "load_avg_after": list(os.getloadavg()), "history": json.loads(history_path.read_text())}
     for tag in ("before", "after"):
@@ -187,7 +188,7 @@ def bench_async(args) -> int:
                     for seed in args.seeds} for mode in args.modes}
     sync = [report.mode_summary(runs[(s, 0)]["history"]) for s in args.seeds]
     asyn = [report.mode_summary(runs[(s, 1)]["history"]) for s in args.seeds]
-    result = {
+    result: dict[str, Any] = {
         "command": "megatron-async bench " + " ".join(args.argv),
         "machine_start": started, "machine_end": machine(),
         "pinning": {"learner_cpus": cpus.learner, "replica_cpus": cpus.replica, "why": cpus.why},
@@ -250,13 +251,14 @@ def time_to_quality_report(runs: dict[str, dict[int, dict]], seeds: list[int]) -
     sync run's final pass@1 of that seed, and the ratio to sync's own (None: never reached)."""
     out = {}
     for mode, by_seed in runs.items():
-        seconds, ratios = [], []
+        seconds: list[float | None] = []
+        ratios: list[float | None] = []
         for s in seeds:
             target = runs["sync"][s]["quality_curve"][-1][1]
             sync_t = report.time_to_quality(runs["sync"][s]["quality_curve"], target)
             t = report.time_to_quality(by_seed[s]["quality_curve"], target)
             seconds.append(t)
-            ratios.append(None if t is None else t / sync_t)
+            ratios.append(None if t is None or sync_t is None else t / sync_t)
         out[mode] = {"seconds": seconds, "ratio_to_sync": ratios}
     return out
 
@@ -269,7 +271,7 @@ def fold_rollout(out_dir: Path, argv: list[str]) -> dict:
     if proc.returncode != 0:
         raise BenchError(f"bench_rollout failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
     data = json.loads(path.read_text())
-    folded = {"command": " ".join(cmd), "models": []}
+    folded: dict[str, Any] = {"command": " ".join(cmd), "models": []}
     for m in data["models"]:
         if "skipped" in m:
             folded["models"].append(m)
@@ -320,7 +322,8 @@ def sweep_plan(algorithms: list[str], ns: list[int], ts: list[int], ks: list[int
         return [(c, [f"trainer.off_policy_correction={c}"]) for c in corrections]
 
     plan = []
-    for seed in (seeds or [None]):
+    outer: list[int | None] = [*seeds] if seeds else [None]
+    for seed in outer:
         seeded = [] if seed is None else [f"run.seed={seed}"]
         cells = [(a, c, o, "N", n, [f"trainer.minibatches={n}"]) for a in algorithms for c, o in variants(a)
                  for n in ns]
@@ -339,7 +342,8 @@ def sweep_plan(algorithms: list[str], ns: list[int], ts: list[int], ks: list[int
 def bench_sweep(args) -> int:
     out_dir = Path(args.out_dir).resolve()
     started = machine()
-    algorithms, rows = args.algorithms, []
+    algorithms = args.algorithms
+    rows: list[dict[str, Any]] = []
     base = [*pin_overrides(args.pin), f"rollout.max_lag={args.max_lag}", *args.overrides,
             "trainer.checkpoint_every=0"]
     shared = prepare_sft(args.config, base, out_dir, args.timeout_s, args.init_model)

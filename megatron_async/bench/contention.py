@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -62,13 +63,16 @@ def measure(model_dir: Path, learner_cpus: str, replica_cpus: str, seconds: floa
     sampling = Sampling(n=4, max_tokens=32, ignore_eos=True, seed=0)
     spec = ReplicaSpec(model=str(model_dir), kv_cache_bytes=256 << 20, max_model_len=256)
     env = replica_pin_env(replica_cpus)
-    result = {"learner_cpus": learner_cpus, "replica_cpus": replica_cpus, "learner_pinned_to": mine,
+    result: dict[str, Any] = {"learner_cpus": learner_cpus, "replica_cpus": replica_cpus, "learner_pinned_to": mine,
               "seconds_per_phase": seconds, "train_batch": list(batch.shape),
               "generation": {"prompts": len(prompts), "n": sampling.n, "max_tokens": sampling.max_tokens}}
     with ReplicaPool(spec, 1, log_dir=log_dir, env=env) as pool:
         pool.generate(prompts[:2], Sampling(max_tokens=4))  # warm-up
         _train_loop(model, opt, batch, 1.0, {})  # warm-up
-        gen_alone, train_alone, gen_tog, train_tog = {}, {}, {}, {}
+        gen_alone: dict[str, float] = {}
+        train_alone: dict[str, float] = {}
+        gen_tog: dict[str, float] = {}
+        train_tog: dict[str, float] = {}
         load = [os.getloadavg()[0]]
         _gen_loop(pool, prompts, sampling, seconds, gen_alone)
         load.append(os.getloadavg()[0])

@@ -38,6 +38,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -46,6 +47,7 @@ from megatron_async.algorithms import build_algorithm, split_units
 from megatron_async.algorithms.batching import Sample
 from megatron_async.cluster.cpu_affinity import cpu_flags, pin_learner
 from megatron_async.config import Config, load_config
+from megatron_async.data.problem import Problem
 from megatron_async.io_utils import atomic_write_text
 from megatron_async.learner.parallel import init_parallel
 from megatron_async.models.base_model import load_tokenizer, prepare_base_model
@@ -63,7 +65,8 @@ def synthetic_batch(vocab: int, prompts: int, k: int, prompt_len: int, max_new: 
     """`prompts` x `k` completions with random tokens, lengths in [max_new / 2, max_new], distinct
     rewards within each prompt (no ties), and generator logprobs, as the pool would return them."""
     rng = random.Random(seed)
-    completions, rewards = [], []
+    completions: list[list[Completion]] = []
+    rewards: list[list[float | None]] = []
     for p in range(prompts):
         prompt = tuple(rng.randrange(3, vocab) for _ in range(prompt_len + rng.randrange(-prompt_len // 4, prompt_len // 4 + 1)))
         group = []
@@ -75,7 +78,8 @@ def synthetic_batch(vocab: int, prompts: int, k: int, prompt_len: int, max_new: 
                                     replica_id=0, policy_version=0, policy_version_max=0))
         completions.append(group)
         rewards.append(rng.sample([i / k for i in range(k)], k))
-    return RolloutBatch(index=0, policy_version=0, problems=[None] * prompts, completions=completions, rewards=rewards)
+    problems = [Problem(id=f"synthetic:{p}", question="", solution=None, answer=None) for p in range(prompts)]
+    return RolloutBatch(index=0, policy_version=0, problems=problems, completions=completions, rewards=rewards)
 
 
 def token_logprobs_hf(model, input_ids: torch.Tensor) -> torch.Tensor:
@@ -121,7 +125,7 @@ class PlainLearner:
     def step(self, batch: RolloutBatch) -> float:
         t, algo, k = self.cfg.trainer, self.algorithm, batch.k
         samples = [Sample.from_completion(c, r) for comps, rs in zip(batch.completions, batch.rewards)
-                   for c, r in zip(comps, rs)]
+                   for c, r in zip(comps, rs) if r is not None]
         rows, _ = algo.select(samples, k)
         minibatches = [algo.microbatches(part, self.pad_id, t.micro_batch_size, max_tokens=t.micro_batch_tokens)
                        for part in split_units(rows, algo.unit(k), t.minibatches)]
@@ -143,7 +147,7 @@ class PlainLearner:
 
 def trained_tokens(learner: LearnerState, batch: RolloutBatch) -> int:
     samples = [Sample.from_completion(c, r) for comps, rs in zip(batch.completions, batch.rewards)
-               for c, r in zip(comps, rs)]
+               for c, r in zip(comps, rs) if r is not None]
     rows, _ = learner.algorithm.select(samples, batch.k)
     return learner.cfg.trainer.updates_per_batch * sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
 
@@ -185,15 +189,15 @@ def run_case(model: str, model_dir: Path, overrides: list[str], steps: int, prof
     batches = [synthetic_batch(vocab, cfg.rollout.prompts_per_step, cfg.rollout.k, PROMPT_TOKENS[model],
                                cfg.rollout.max_new_tokens, seed + i) for i in range(steps + 1)]
     tokens = trained_tokens(ours, batches[0])
-    times = {name: [] for name in (*variants, "plain")}
-    kernel = {name: [] for name in times}  # (minor page faults, system CPU seconds) per step
-    padding = {name: [] for name in variants}
+    times: dict[str, list[float]] = {name: [] for name in (*variants, "plain")}
+    kernel: dict[str, list[tuple[int, float]]] = {name: [] for name in times}  # (minor page faults, system CPU s) per step
+    padding: dict[str, list[float]] = {name: [] for name in variants}
     for i, batch in enumerate(batches):  # alternate: ours, (budget,) plain, ours, ...; step 0 warms up
         runs = [(name, lambda learner=learner: learner.step(batch, step=i, updates=cfg.trainer.updates_per_batch))
                 for name, learner in variants.items()]
         for name, step in (*runs, ("plain", lambda: plain.step(batch))):
             before, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-            out = step()
+            out: Any = step()  # ours: the step's metrics; plain: its loss
             seconds, after = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
             if i:
                 times[name].append(seconds)
@@ -201,7 +205,7 @@ def run_case(model: str, model_dir: Path, overrides: list[str], steps: int, prof
                 if name in padding:
                     padding[name].append(out["train/padding_fraction"])
     ours_s, plain_s = statistics.median(times["ours"]), statistics.median(times["plain"])
-    result = {"model": model, "algorithm": cfg.trainer.algorithm, "prompts": cfg.rollout.prompts_per_step,
+    result: dict[str, Any] = {"model": model, "algorithm": cfg.trainer.algorithm, "prompts": cfg.rollout.prompts_per_step,
               "k": cfg.rollout.k, "micro_batch_size": cfg.trainer.micro_batch_size, "overrides": overrides,
               "trained_tokens_per_step": tokens, "ours_s": ours_s, "plain_s": plain_s,
               "ratio": ours_s / plain_s, "ours_tokens_per_s": tokens / ours_s, "plain_tokens_per_s": tokens / plain_s,
@@ -248,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     pinned = pin_learner(args.learner_cpus)
     _LAYOUT["layout"] = init_parallel(1, 1, seed=0)
     flags = cpu_flags()
-    report = {"command": "megatron-async bench learner " + " ".join(argv if argv is not None else sys.argv[1:]),
+    report: dict[str, Any] = {"command": "megatron-async bench learner " + " ".join(argv if argv is not None else sys.argv[1:]),
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch_threads": torch.get_num_threads(),
               "pinned_to": pinned, "cpu_flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}),
               "load_avg_start": os.getloadavg(), "cases": []}

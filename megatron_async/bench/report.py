@@ -32,9 +32,9 @@ TIMING_KEYS = {
 }
 
 
-def _mean(xs: Iterable[float]) -> float:
-    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
-    return sum(xs) / len(xs) if xs else float("nan")
+def _mean(xs: Iterable[float | None]) -> float:
+    kept = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(kept) / len(kept) if kept else float("nan")
 
 
 def per_step_timings(history: Sequence[dict]) -> list[dict]:
@@ -47,7 +47,7 @@ def per_step_timings(history: Sequence[dict]) -> list[dict]:
     """
     rows, prev_idle = [], 0.0
     for h in history:
-        row = {"step": int(h["step"])}
+        row: dict[str, float] = {"step": int(h["step"])}
         for name, key in TIMING_KEYS.items():
             if key not in h:
                 raise KeyError(f"step {h['step']}: metric '{key}' missing from the history")

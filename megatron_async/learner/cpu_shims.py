@@ -149,7 +149,7 @@ def apply() -> bool:
         return True
 
     # torch.cuda.current_device(): RoPE inv_freq, TP/p2p buffers, attention all place tensors on it.
-    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]  # a device, not an index
     # torch.cuda.synchronize(): dist_checkpointing save and p2p call it; nothing to wait for on CPU.
     torch.cuda.synchronize = lambda device=None: None
 
@@ -174,7 +174,7 @@ def apply() -> bool:
 
     cpu_torch = _CpuTorch()
     for name in _CUDA_LITERAL_MODULES:
-        importlib.import_module(name).torch = cpu_torch
+        setattr(importlib.import_module(name), "torch", cpu_torch)
 
     _APPLIED = True
     return True

@@ -14,6 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from megatron_async.io_utils import replace_dir
@@ -35,7 +36,9 @@ def _write_stage_shards(model: LearnerModel, out: Path, stage: int) -> dict[str,
 
     from megatron_async.learner.mapping import iter_hf_weights
 
-    weight_map, shard, size, k = {}, {}, 0, 0
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    size, k = 0, 0
 
     def flush():
         nonlocal shard, size, k
@@ -69,7 +72,7 @@ def export_hf(model: LearnerModel, dst: str | os.PathLike, tokenizer_dir: str | 
         tmp.mkdir(parents=True)
     dist.barrier()
     weight_map = _write_stage_shards(model, tmp, ps.get_pipeline_model_parallel_rank())
-    maps = [None] * dist.get_world_size()
+    maps: list[dict[str, str]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(maps, weight_map)
     if dist.get_rank() == 0:
         merged = {k: v for m in maps for k, v in m.items()}

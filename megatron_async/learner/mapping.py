@@ -134,7 +134,7 @@ def to_megatron_shard(hf: list[torch.Tensor], rule: Rule, arch: LlamaArch, tp: i
     `padded_vocab`: the model's vocabulary rows (kind "vocab"; default arch.vocab_size, no padding)."""
     if rule.kind == "fc1":
         return fc1_shard(hf[0], hf[1], tp, rank)
-    full = fuse_qkv(*hf, arch) if rule.kind == "qkv" else hf[0]
+    full = fuse_qkv(hf[0], hf[1], hf[2], arch) if rule.kind == "qkv" else hf[0]
     if rule.kind == "vocab":
         full = pad_vocab(full, padded_vocab or arch.vocab_size)
     return full if rule.split_dim is None else full.chunk(tp, dim=rule.split_dim)[rank]
@@ -319,10 +319,11 @@ def iter_hf_weights(model: LearnerModel, hf_config=None, grads: bool = False) ->
                 continue  # the first stage yields the shared embedding
             tensor = param.data
             if grads:
-                tensor = getattr(param, "main_grad", None)
-                tensor = param.grad if tensor is None else tensor
-                if tensor is None:
+                grad: torch.Tensor | None = getattr(param, "main_grad", None)  # megatron DDP's fp32 buffer
+                grad = param.grad if grad is None else grad
+                if grad is None:
                     raise RuntimeError(f"{mname} has no gradient")
+                tensor = grad
             if rule.split_dim is not None and tp > 1:
                 parts = [torch.empty_like(tensor) for _ in range(tp)]
                 dist.all_gather(parts, tensor.contiguous(), group=group)

@@ -68,7 +68,9 @@ def build_tokenizer(corpus: Iterable[str], out_dir: str | os.PathLike, vocab_siz
 def llama_config(spec: TinyLlamaSpec, vocab_size: int, bos_id: int, eos_id: int, pad_id: int):
     from transformers import LlamaConfig
 
-    return LlamaConfig(
+    # rope_theta, rope_scaling and torch_dtype: transformers 5 still takes (and converts) the keys
+    # it no longer declares; config.json then reads as every LLaMA-family checkpoint writes it
+    return LlamaConfig(  # type: ignore[call-arg]
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,

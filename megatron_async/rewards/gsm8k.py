@@ -54,8 +54,11 @@ def answers_match(completion: str, reference: str) -> bool:
     return got is not None and parse_number(got) == parse_number(want)
 
 
-def gsm8k_reward(prompt: str, completion: str, reference: str) -> float:
+def gsm8k_reward(prompt: str, completion: str, reference: str | None) -> float:
     """1.0 for an exact (numeric) match of the final answer, else 0.0. `prompt` is unused; the
-    signature is the one `scoring.score_samples` calls."""
+    signature is the one `scoring.score_samples` calls. No reference (a problem without an answer)
+    is a ValueError, a failed score, like a reference without a number."""
     del prompt
+    if reference is None:
+        raise ValueError("no reference answer to match (data.answer_key)")
     return 1.0 if answers_match(completion, reference) else 0.0

@@ -35,9 +35,12 @@ import queue
 import threading
 import time
 import traceback
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence, cast
 
 from megatron_async.rewards.scoring import SampleScore, ScoreReport
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
 
 
 def rm_text(tok, prompt_text: str, messages: list[dict] | None, completion: str) -> tuple[str, bool]:
@@ -112,15 +115,16 @@ class RewardModelWorker:
         self.args = (str(path), dtype, num_threads, batch_size, max_length, device)
         self.batch_size, self.timeout_s, self.start_timeout_s = batch_size, timeout_s, start_timeout_s
         self._ctx = mp.get_context("spawn")  # never fork a process that may hold threads or CUDA
-        self._proc = None
+        self._proc: BaseProcess | None = None
         self._lock = threading.Lock()  # NOTE: one request in flight: the queues carry no request id
 
     def start(self) -> None:
         if self._proc is not None:
             return
         self._requests, self._results = self._ctx.Queue(), self._ctx.Queue()
-        self._proc = self._ctx.Process(target=_worker_main, args=(*self.args, self._requests, self._results), daemon=True)
-        self._proc.start()
+        proc = self._proc = self._ctx.Process(target=_worker_main, args=(*self.args, self._requests, self._results),
+                                              daemon=True)
+        proc.start()
         status, payload = self._wait(self.start_timeout_s, "start")
         if status != "ready":
             self.close()
@@ -141,10 +145,11 @@ class RewardModelWorker:
             self._requests.put(items)
             status, payload = self._wait(self.timeout_s * max(1, -(-len(prompts) // self.batch_size)), "score")
             if status == "ok":
-                scores = [SampleScore(i, reward=r, error=e) for i, (r, e) in enumerate(payload)]
+                answers = cast("list[tuple[float | None, str | None]]", payload)  # the worker's (reward, error) per item
+                scores = [SampleScore(i, reward=r, error=e) for i, (r, e) in enumerate(answers)]
             else:  # timeout or death: kill, so the next call starts clean (no stale answer in a queue)
                 self.close(graceful=False)
-                scores = [SampleScore(i, error=payload, timed_out=status == "timeout") for i in range(len(prompts))]
+                scores = [SampleScore(i, error=str(payload), timed_out=status == "timeout") for i in range(len(prompts))]
         return ScoreReport(scores).enforce(on_error, what=list(completions))
 
     def _wait(self, timeout_s: float, what: str) -> tuple[str, object]:
@@ -154,8 +159,9 @@ class RewardModelWorker:
             try:
                 return self._results.get(timeout=min(1.0, left))
             except queue.Empty:
-                if not self._proc.is_alive():
-                    return "dead", f"reward model worker died during {what} (exit code {self._proc.exitcode})"
+                if self._proc is None or not self._proc.is_alive():
+                    code = None if self._proc is None else self._proc.exitcode
+                    return "dead", f"reward model worker died during {what} (exit code {code})"
         return "timeout", f"reward model worker gave no answer to {what} within {timeout_s:g} s"
 
     def close(self, graceful: bool = True) -> None:

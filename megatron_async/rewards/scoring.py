@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 ON_ERROR = ("drop", "stop")
-ScoreFn = Callable[[str, str, str], float]
+ScoreFn = Callable[[str, str, str | None], float]  # (prompt, completion, reference)
 
 
 class ScoringError(RuntimeError):
@@ -95,7 +95,7 @@ def _finite_reward(value) -> float:
 
 
 def score_samples(
-    samples: Sequence[tuple[str, str, str]],
+    samples: Sequence[tuple[str, str, str | None]],
     score_fn: ScoreFn,
     timeout_s: float = 5.0,
     on_error: str = "drop",

@@ -66,7 +66,10 @@ def checkpoint_root(cfg: Config) -> Path:
 
 def checkpoint_step(path: Path) -> int:
     """The learner steps done at checkpoint `path` (its folder's name, step_000010 -> 10)."""
-    return int(STEP_DIR.fullmatch(path.name)[1])
+    match = STEP_DIR.fullmatch(path.name)
+    if match is None:
+        raise ValueError(f"{path}: not a checkpoint folder (step_N)")
+    return int(match[1])
 
 
 def run_checkpoints(cfg: Config) -> list[Path]:
@@ -88,7 +91,8 @@ def save_run_checkpoint(cfg: Config, learner: LearnerState, ctrl: dist.ProcessGr
     previous = latest_checkpoint(cfg)
     state_dir = Path(tempfile.mkdtemp(prefix="rollout-state-")) if rank0 else None
 
-    def write_rollout_state() -> dict[str, Path]:
+    def write_rollout_state() -> dict[str, Path]:  # rank 0 only
+        assert state_dir is not None
         state = {"next_step": next_step, "version": learner.version,
                  "rollout": None if rollout is None else rollout.state_dict(),
                  "report": None if report is None else report.state_dict()}

@@ -57,10 +57,17 @@ def poison_loss_at(step: int, loss_fn):
     return nan_loss
 
 
-def kill_replica_during(batch_index: int, replica_pgid: int, delay_s: float = 0.3) -> None:
-    """SIGKILL replica 0's whole process group (its vLLM server, engine core and workers)."""
+def kill_replica_during(batch_index: int, replica_pgid: int | None, delay_s: float = 0.3) -> None:
+    """SIGKILL replica 0's whole process group (its vLLM server, engine core and workers; its pid
+    leads the group)."""
     if os.environ.get(KILL_REPLICA_AT_BATCH) == str(batch_index):
-        threading.Timer(delay_s, os.killpg, (replica_pgid, signal.SIGKILL)).start()
+        threading.Timer(delay_s, os.killpg, (_started_here(replica_pgid, KILL_REPLICA_AT_BATCH), signal.SIGKILL)).start()
+
+
+def _started_here(pid: int | None, variable: str) -> int:
+    if pid is None:
+        raise RuntimeError(f"{variable}: replica 0 was not started by this run (a replica_urls server): no process to kill")
+    return pid
 
 
 def restart_replica_at(step: int, pool: ReplicaPool, producer: RolloutProducer) -> None:
@@ -79,7 +86,7 @@ def restart_replica_at(step: int, pool: ReplicaPool, producer: RolloutProducer) 
     while not producer.old_weights_done(step):
         within_bound("batches of the current weights still generating")
         producer.wait(0.5)
-    killed = pool.pids()[0]
+    killed = _started_here(pool.pids()[0], RESTART_REPLICA_AT_STEP)
     os.killpg(killed, signal.SIGKILL)
     while pool.pids()[0] == killed or not pool.up([0]):
         within_bound("replica 0 not restarted")

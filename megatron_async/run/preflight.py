@@ -504,7 +504,7 @@ def _check_cpu_lists(cfg: Config) -> None:
         if text == CPUS_AUTO:  # resolved at launch, over whatever CPUs there are (placement.cpu_plan)
             continue
         try:
-            cpus = parse_cpu_list(text)
+            cpus = parse_cpu_list(str(text))  # YAML reads a lone CPU (0) as an int
         except ValueError as e:
             raise ConfigError(f"key '{key}' = {text!r}: {e}") from None
         missing = [c for c in cpus if c not in have]

@@ -22,6 +22,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from megatron_async.config import Config, replica_dtype
 from megatron_async.data import PromptIterator, TokenizedPrompt, load_prompts, load_train_prompts
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class RolloutState:
     cfg: Config
-    tokenizer: object  # the policy's HF tokenizer
+    tokenizer: Any  # the policy's HF tokenizer (transformers types `decode` too narrowly for token tuples)
     prompts: PromptIterator  # training prompts, resumable
     eval_prompts: list[TokenizedPrompt]
     scorer: Scorer
@@ -56,6 +57,13 @@ class RolloutState:
     # resume state: a resumed run's producer starts at 0
     replica_idle_before: float = 0.0
     resumed_buffer: list[RolloutBatch] = field(default_factory=list)  # generated, untrained batches of a checkpoint
+
+    @property
+    def running(self) -> RolloutProducer:
+        """The producer, once `start_producer` started it (before that: a RuntimeError)."""
+        if self.producer is None:
+            raise RuntimeError("the rollout producer is not started yet (RolloutState.start_producer)")
+        return self.producer
 
     @classmethod
     def build(cls, cfg: Config, tokenizer, init_model: Path) -> "RolloutState":
@@ -81,7 +89,7 @@ class RolloutState:
         (after the last trained batch if none: the prompts of a batch still being generated are
         taken again on resume, by the same version with the same seeds); the controllers' state
         (None where off). Call between learner steps, once the producer runs."""
-        buffered = self.producer.buffered()
+        buffered = self.running.buffered()
         return {"buffer": [batch_to_json(b) for b in buffered],
                 "data_state": buffered[-1].data_state if buffered else self.data_state,
                 "adaptive_lag": None if self.adaptive_lag is None else self.adaptive_lag.state_dict(),
@@ -99,6 +107,8 @@ class RolloutState:
 
     def start_producer(self, first_batch: int) -> RolloutProducer:
         lag = self.cfg.rollout.max_lag if self.adaptive_lag is None else self.adaptive_lag.lag
+        if isinstance(lag, str):  # "auto" always has its controller (build_controllers)
+            raise RuntimeError("rollout.max_lag: auto without its AdaptiveLag")
         self.producer = RolloutProducer(self.make_batch, lag, last_batch=self.cfg.trainer.steps - 1,
                                         first_batch=first_batch, synced_version=first_batch,
                                         ready=self.resumed_buffer,
@@ -157,8 +167,8 @@ class RolloutState:
         pool = self.pool.stats()
         return {"rollout/requeued_requests": float(pool["requeues"]),
                 "rollout/replica_restarts": float(pool["restarts"]),
-                "rollout/replica_idle_s": self.producer.idle_seconds,
-                "rollout/max_lag": float(self.producer.max_lag),
+                "rollout/replica_idle_s": self.running.idle_seconds,
+                "rollout/max_lag": float(self.running.max_lag),
                 "balance/updates_per_batch": float(self.updates_per_batch())}
 
     def after_step(self, step: int, batch: RolloutBatch, metrics: dict[str, float]) -> None:
@@ -178,8 +188,8 @@ class RolloutState:
 
     def _rebalance(self, step: int, metrics: dict[str, float]) -> None:
         """trainer.auto_balance: raise T or K by this step's waits of learner and replicas."""
-        replica_wait = self.producer.idle_seconds - self.replica_idle_before
-        self.replica_idle_before = self.producer.idle_seconds
+        replica_wait = self.running.idle_seconds - self.replica_idle_before
+        self.replica_idle_before = self.running.idle_seconds
         if self.balance is not None and self.balance.update(metrics["timing/learner_idle_s"], replica_wait,
                                                             metrics["timing/step_wall_s"]):
             log.info("step %d: %s", step, self.balance.reason)
@@ -192,7 +202,7 @@ class RolloutState:
         if self.adaptive_lag.update(metrics["staleness/kl_k3_mean"], metrics["timing/learner_idle_s"],
                                     metrics["timing/step_wall_s"]):
             log.info("step %d: rollout lag %d -> %d: %s", step, before, self.adaptive_lag.lag, self.adaptive_lag.reason)
-            self.producer.set_max_lag(self.adaptive_lag.lag)
+            self.running.set_max_lag(self.adaptive_lag.lag)
 
     def close(self) -> None:
         if self.producer is not None:

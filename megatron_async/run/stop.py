@@ -35,7 +35,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from types import FrameType
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,7 @@ class StopSignals:
         self._first_at: float | None = None
         self._at_once = at_once  # never returns: unlink, then os._exit (tests pass a recorder)
         self._clock = clock
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}  # signal.signal's
         self._deadline: threading.Timer | None = None
 
     @property

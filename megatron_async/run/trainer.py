@@ -45,7 +45,7 @@ from megatron_async.models.base_model import load_tokenizer, prepare_base_model
 from megatron_async.observability.timing import StepTimer
 from megatron_async.observability.tracking import Tracker, build_tracker
 from megatron_async.rollout.build import replica_urls
-from megatron_async.rollout.producer import RolloutBatch
+from megatron_async.rollout.producer import RolloutBatch, RolloutProducer
 from megatron_async.run import faults
 from megatron_async.run.checkpoint import (latest_checkpoint, load_run_checkpoint, resume_checkpoint,
                                            save_run_checkpoint)
@@ -102,10 +102,10 @@ class Trainer:
             rollout = RolloutState.build(cfg, tokenizer, init_model) if rank0 else None
             if rollout is not None:
                 built.callback(rollout.close)
-            where = (rollout.pool.urls, rollout.pool.key, socket.gethostname()) if rank0 else None
+            where = (rollout.pool.urls, rollout.pool.key, socket.gethostname()) if rollout is not None else None
             urls, key, replica_machine = from_rank0(where, ctrl)
             check_reachable(replica_machine, urls)  # loopback replicas seen from another machine
-            weights = WeightUpdate.build(cfg, layout, ctrl, rollout.pool if rank0 else None, urls, key)
+            weights = WeightUpdate.build(cfg, layout, ctrl, rollout.pool if rollout is not None else None, urls, key)
             built.callback(weights.close)
             trainer = cls(cfg, ctrl, learner, rollout, tracker, init_model, weights,
                           report=StepReport(cfg, tracker) if rank0 else None, stop=stop)
@@ -117,9 +117,19 @@ class Trainer:
         return trainer
 
     def _resume(self) -> None:
-        self.start_step = self.learner.version = load_run_checkpoint(  # preflight: one exists
-            self.cfg, self.learner, resume_checkpoint(self.cfg), self.rollout, self.report)
+        path = resume_checkpoint(self.cfg)
+        if path is None:  # the preflight refuses a resume without a checkpoint
+            raise FileNotFoundError(f"run.resume: no checkpoint under {self.cfg.run_dir}")
+        self.start_step = self.learner.version = load_run_checkpoint(self.cfg, self.learner, path, self.rollout, self.report)
         self.weights.push(self.learner.version, self.learner.hf_weights())  # replicas started from version 0
+
+    @property
+    def producer(self) -> RolloutProducer:
+        """Rank 0's running producer. The rollout side lives on rank 0 only: the `ready` callbacks of
+        `_wait_until`, which read it, run there only."""
+        if self.rollout is None or self.rollout.producer is None:
+            raise RuntimeError("the rollout producer lives on rank 0 only, once started (RolloutState.start_producer)")
+        return self.rollout.producer
 
     # -- the loop -----------------------------------------------------------------------------------
     def train(self) -> Stopped | None:
@@ -141,19 +151,19 @@ class Trainer:
                     return self._stop_at(step, saved)
                 batch, updates = planned
                 if self.rollout is not None:
-                    faults.restart_replica_at(step, self.rollout.pool, self.rollout.producer)
+                    faults.restart_replica_at(step, self.rollout.pool, self.producer)
                 with timer("train"):
                     faults.signal_during("train", step)
                     metrics = self.learner.step(batch, step, updates)
                 with timer("learner_wait_old"):  # the old weights serve batches up to step + max_lag
-                    self._wait_until(lambda: self.rollout.producer.old_weights_done(step))
+                    self._wait_until(lambda: self.producer.old_weights_done(step))
                 with timer("sync"):
                     synced = self._push(step + 1)
                 held_out = None
                 if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
                     held_out = self._evaluate(f"step{step + 1}")  # replicas hold version step+1 until the next push
                 if self.rollout is not None:
-                    self.rollout.producer.notify_synced(step + 1)
+                    self.producer.notify_synced(step + 1)
             metrics.update({**timer.metrics(), "weight_sync/gb_per_s": synced.gb_per_s,
                             "weight_sync/delta": float(synced.delta),  # only changed elements were sent
                             "timing/generation_s": batch.gen_seconds, "timing/reward_s": batch.score_seconds})
@@ -161,7 +171,7 @@ class Trainer:
                 metrics["weight_sync/changed_fraction"] = synced.changed_fraction
             if held_out is not None:  # also in the tracker by policy version (eval/pass_at_1): here for the plot
                 metrics["eval/held_out"] = held_out
-            if self.rollout is not None:
+            if self.rollout is not None and self.report is not None:  # rank 0
                 metrics.update(self.rollout.step_metrics())
                 self.report.record(step, batch, metrics)
                 self.rollout.after_step(step, batch, metrics)
@@ -176,23 +186,23 @@ class Trainer:
             return self._stop_at(t.steps, saved)
         after = self._evaluate("after")
         export_hf(self.learner.policy.model, cfg.run_dir / "hf_final", tokenizer_dir=self.init_model)
-        if self.rollout is not None:
+        if self.rollout is not None and self.report is not None:  # rank 0
             self.report.finish(before, after, len(self.rollout.eval_prompts), latest_checkpoint(cfg))
         return None
 
     def _next_batch(self, step: int) -> tuple[RolloutBatch, int] | None:
         """All ranks: batch `step`, once rank 0's producer has generated it, and T, the passes over it;
         None if a stop signal reached rank 0 first."""
-        if not self._wait_until(lambda: self.rollout.producer.has(step), stoppable=True):
+        if not self._wait_until(lambda: self.producer.has(step), stoppable=True):
             return None
-        plan = (self.rollout.producer.take(step), self.rollout.updates_per_batch()) if self.rollout is not None else None
+        plan = (self.producer.take(step), self.rollout.updates_per_batch()) if self.rollout is not None else None
         return from_rank0(plan, self.ctrl)
 
     def _wait_until(self, ready: Callable[[], bool], stoppable: bool = False) -> bool:
         """All ranks: wait until rank 0's `ready()` holds (True), or, if `stoppable`, until a stop signal
         reaches rank 0 (False); push weights to restarted replicas meanwhile."""
         while True:
-            command = None
+            command: tuple[str, list[int]] | None = None
             if self.rollout is not None:
                 if stoppable and self.stop is not None and self.stop.requested:
                     command = ("stop", [])
@@ -201,7 +211,7 @@ class Trainer:
                 elif ready():
                     command = ("ready", [])
                 else:
-                    self.rollout.producer.wait(1.0)
+                    self.producer.wait(1.0)
                     continue
             kind, replica_ids = from_rank0(command, self.ctrl)
             if kind in ("ready", "stop"):
@@ -237,7 +247,7 @@ class Trainer:
         if saved is None and next_step == self.start_step and self.cfg.run.resume:
             saved = resume_checkpoint(self.cfg)  # resumed from it: nothing new to save
         path = saved or self._checkpoint(next_step)
-        return Stopped(self.stop.signal or "SIGTERM", next_step, path)
+        return Stopped((self.stop.signal if self.stop is not None else None) or "SIGTERM", next_step, path)
 
     def _checkpoint(self, next_step: int) -> Path:
         return save_run_checkpoint(self.cfg, self.learner, self.ctrl, next_step, self.rollout, self.report)
