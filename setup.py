@@ -18,6 +18,7 @@ CORE = [
     "rich",
     "psutil",
     "matplotlib",
+    "typing_extensions>=4.9",  # ReadOnly / NotRequired TypedDict keys (algorithms/base.py's Microbatch)
 ]
 
 setup(
@@ -37,7 +38,8 @@ setup(
         # package of that name is an unrelated web toolkit that does not build; NVIDIA apex is not
         # on PyPI, and megatron-core runs without it (TE's or torch's Adam and norms).
         "gpu": ["vllm==0.32.0"],
-        "test": ["pytest", "pytest-timeout", "hypothesis"],
+        # mypy: the type check .ci/run runs before the tests (mypy.ini; docs/testing.md)
+        "test": ["pytest", "pytest-timeout", "hypothesis", "mypy>=1.11"],
     },
     entry_points={
         "console_scripts": ["megatron-async=megatron_async.cli:main"],
