@@ -41,6 +41,15 @@ WeightTransport = Literal["auto", "shm", "http", "nccl", "gloo"]  # rollout.weig
 BROADCAST_TRANSPORTS = ("nccl", "gloo")  # weights/broadcast.py's; the others are weights/host_memory.py's
 AlgorithmName = Literal[tuple(ALGORITHMS)]  # trainer.algorithm: the registry's names
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})  # a host only this machine reaches
+# rollout.weight_transport -> the vLLM weight-transfer engine the replicas run (weights/vllm_plugin.py
+# registers them): mas_cpu (host memory, weights/cpu_engine.py) unless the transport broadcasts
+HOST_MEMORY_ENGINE = "mas_cpu"
+BROADCAST_ENGINES = {"nccl": "mas_nccl", "gloo": "mas_gloo"}  # weights/broadcast_engine.py
+
+
+def weight_engine(transport: str) -> str:
+    """The engine replicas run for `rollout.weight_transport` (as `weight_transport(cfg)` resolves it)."""
+    return BROADCAST_ENGINES.get(transport, HOST_MEMORY_ENGINE)
 
 
 def opt(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None) -> Any:

@@ -96,24 +96,26 @@ def spec(model_dir: Path, **overrides) -> ReplicaSpec:
 
 def sync(pool, model_dir: Path | None, version: int, replica_ids=None, *, named=None, mode="between_batches",
          transport: str = "auto", bucket_bytes: int = SMALL_BUCKET, timeout_s: float = 60.0,
-         sender=None) -> tuple[dict, list[int]]:
-    """One weight update as learner rank 0 and a single stage sender run it: `begin_update`, the
-    stage's `HostMemorySender.push` into the replicas that opened, `finish_update(version)` on those the
-    push reached (the others abandon it). Returns (push metrics, ids of the replicas that published `version`).
-    `sender`: one the caller keeps across syncs, as the learner does (default: a new one for this sync)."""
+         update=None) -> tuple[dict, list[int]]:
+    """One weight update as learner rank 0 and a single stage sender run it, through
+    `WeightUpdate.local`: `begin_update`, the stage's `HostMemorySender.push` into the replicas
+    that opened, `finish_update(version)` on those the push reached (the others abandon it).
+    Returns (push metrics, ids of the replicas that published `version`). `update`: a
+    `WeightUpdate.local` the caller keeps across syncs, as the learner does (default: one with a
+    new sender for this sync)."""
     from megatron_async.weights.host_memory import HostMemorySender
+    from megatron_async.weights.update import WeightUpdate
 
-    opened = pool.begin_update(replica_ids, mode, timeout_s)
-    assert opened, f"no replica opened the update: {pool.health_check()}"
-    urls = [pool.urls[i] for i in opened]
     named = iter(state_dict(model_dir).items()) if named is None else named
-    if sender is not None:
-        metrics = sender.push(named, urls=urls)
+    if update is not None:  # a kept sender: `replica_ids` leaves the others out of this push, not a re-sync
+        metrics = update.push(version, named, replica_ids, check=False, resync=False)
     else:
-        with HostMemorySender(urls, pool.key, timeout_s=timeout_s, bucket_bytes=bucket_bytes, transport=transport) as s:
-            metrics = s.push(named)
-    reached = [i for i in opened if pool.urls[i] not in metrics.failed]
-    return metrics, pool.finish_update(version, reached, [i for i in opened if i not in reached])
+        with HostMemorySender(pool.urls, pool.key, timeout_s=timeout_s, bucket_bytes=bucket_bytes,
+                              transport=transport) as sender:
+            metrics = WeightUpdate.local(pool, sender, mode=mode, timeout_s=timeout_s).push(version, named, replica_ids,
+                                                                                              check=False)
+    assert metrics.opened, f"no replica opened the update: {pool.health_check()}"
+    return metrics, metrics.published
 
 
 def resync(pool) -> None:

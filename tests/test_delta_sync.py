@@ -1,9 +1,10 @@
-"""Delta weight sync (weights/delta.py): the encoder and decoder in process, and the host-memory
-sender's choice of full or delta pushes with a fake replica client. The real replicas' delta sync
-runs in tests/test_weight_sync.py."""
+"""Delta weight sync (weights/delta.py): the encoder and decoder in process, and the update's
+choice of full or delta pushes (`WeightUpdate.local`, the host-memory sender) with a fake replica
+client. The real replicas' delta sync runs in tests/test_weight_sync.py."""
 from __future__ import annotations
 
 import base64
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from megatron_async.rollout.replica import ReplicaError
 from megatron_async.weights.buckets import unpack_bucket
 from megatron_async.weights.delta import DELTA_SUFFIX, DeltaBaseError, DeltaDecoder, DeltaEncoder, decode_delta, encode_delta
-from megatron_async.weights.update import AUTO_FULL_EVERY, resolve_full_every
+from megatron_async.weights.update import AUTO_FULL_EVERY, WeightUpdate, resolve_full_every
 
 
 def version(seed: int, base: dict | None = None, fraction: float = 0.02) -> dict[str, torch.Tensor]:
@@ -135,17 +136,35 @@ def test_auto_sends_deltas_to_2_byte_replicas_over_http_only(setting, transport,
     assert resolve_full_every(setting, transport, urls, dtype)[0] == full_every
 
 
-def test_the_sender_sends_deltas_between_full_pushes_and_a_full_one_after_a_failure(monkeypatch):
+class FakePool:
+    """ReplicaPool's update phases, as `WeightUpdate.local` drives them: every replica opens, and
+    the version is published on those the push reached."""
+
+    def __init__(self, urls: list[str]):
+        self.urls, self.spec = urls, SimpleNamespace(dtype="bfloat16")
+
+    def begin_update(self, replica_ids, mode, timeout_s):
+        return list(range(len(self.urls))) if replica_ids is None else list(replica_ids)
+
+    def finish_update(self, version, complete, abandoned=()):
+        return list(complete)
+
+    def up(self, replica_ids):
+        return list(replica_ids)
+
+
+def test_the_update_sends_deltas_between_full_pushes_and_a_full_one_after_a_failure(monkeypatch):
     from megatron_async.weights import host_memory
 
     urls = ["http://10.0.0.1:1", "http://10.0.0.2:1"]
     clients = {u: FakeClient(u) for u in urls}
     monkeypatch.setattr(host_memory, "ReplicaClient", lambda url, key, timeout_s: clients[url])
-    sender = host_memory.HostMemorySender(urls, "key", transport="http", full_every=3)
+    sender = host_memory.HostMemorySender(urls, "key", transport="http")
+    update = WeightUpdate.local(FakePool(urls), sender, full_every=3)
     weights, kinds = version(0), []
     for step in range(7):
         clients[urls[1]].fail = step == 3
-        result = sender.push(iter(weights.items()))
+        result = update.push(step + 1, iter(weights.items()))
         kinds.append("delta" if result.delta else "full")
         for url in urls:
             if url not in result.failed:
@@ -155,6 +174,6 @@ def test_the_sender_sends_deltas_between_full_pushes_and_a_full_one_after_a_fail
     # every 3rd push full; step 3 failed on one replica, so step 4 is full for both
     assert kinds == ["full", "delta", "delta", "full", "full", "delta", "delta"]
     assert "a.weight" + DELTA_SUFFIX in clients[urls[0]].pushes[1]["#names"]
-    sender.forget([urls[0]])
-    assert not sender.push(iter(weights.items())).delta
-    sender.close()
+    update.forget([urls[0]])
+    assert not update.push(8, iter(weights.items())).delta
+    update.close()

@@ -3,8 +3,9 @@ path) against real vLLM CPU replicas running vLLM's NCCL engine with a gloo comm
 (`mas_gloo`, weights/broadcast_engine.py). What CI cannot run of the NCCL path is the CUDA
 communicator alone.
 
-A sync here is what learner rank 0 and the stage sender do: `begin_update`, `BroadcastSender.push`,
-`finish_update` (verify + publish) on the replicas the push reached. After every sync vLLM's
+A sync here is what learner rank 0 and the stage sender do, in one process (`WeightUpdate.local`):
+`begin_update`, `BroadcastSender.push`, `finish_update` (verify + publish) on the replicas the
+push reached. After every sync vLLM's
 sampled-token logprobs must equal transformers' under the pushed weights (the tolerance of the
 shm tests). The tests share one 1-replica pool and push the next version after its current one.
 """
@@ -20,6 +21,7 @@ import torch
 from megatron_async.rollout import ReplicaPool, Sampling
 from megatron_async.weights.broadcast import BroadcastSender, GlooWire, make_wire
 from megatron_async.weights.sender import WeightSyncError
+from megatron_async.weights.update import WeightUpdate
 from tests.rollout_fixtures import (
     LOGPROB_TOL, SMALL_BUCKET, max_logprob_diff, sparsely_changed, spec, state_dict, wait_for,
 )
@@ -46,20 +48,16 @@ def sender(gloo_pool):
     s.close()
 
 
-def push(pool, sender, named, resync: bool = False):
-    """One update as WeightUpdate runs it -> (push result, replicas that published the version)."""
+def push(pool, sender, named, resync: bool = False, update: WeightUpdate | None = None):
+    """One update through WeightUpdate's one-process entry -> (push result, replicas that
+    published the version). `update`: one the caller keeps across pushes (delta sync)."""
     version = pool.next_version
+    update = update or WeightUpdate.local(pool, sender, timeout_s=TIMEOUT_S)
     # a re-sync names its replicas: a full update leaves out one back from a failure (ReplicaPool.begin_update)
-    opened = pool.begin_update(range(len(pool.urls)) if resync else None, "between_batches", TIMEOUT_S)
-    targets = [pool.urls[i] for i in opened]
-    if resync:
-        sender.forget(targets)
-    result = sender.push(named, urls=targets)
-    complete = [i for i in opened if pool.urls[i] not in result.failed]
-    published = pool.finish_update(version, complete, [i for i in opened if i not in complete])
-    if published:
+    result = update.push(version, named, list(range(len(pool.urls))) if resync else None, check=False)
+    if result.published:
         pool.next_version += 1
-    return result, published
+    return result, result.published
 
 
 def check_serves(pool, model_dir, version):
@@ -84,12 +82,13 @@ def test_gloo_delta_syncs_load_the_pushed_weights(gloo_pool, tiny_models, tmp_pa
     for seed in range(1, 4):
         versions.append(sparsely_changed(versions[-1], tmp_path / f"v{seed}", fraction=0.02, seed=seed))
     delta_sender = BroadcastSender(gloo_pool.urls, gloo_pool.key, wire=make_wire("gloo"), replica_tp=1,
-                                   timeout_s=TIMEOUT_S, bucket_bytes=SMALL_BUCKET, full_every=3)
+                                   timeout_s=TIMEOUT_S, bucket_bytes=SMALL_BUCKET)
+    update = WeightUpdate.local(gloo_pool, delta_sender, full_every=3, timeout_s=TIMEOUT_S)
     results = []
     try:
         for model in versions:
             version = gloo_pool.next_version
-            result, published = push(gloo_pool, delta_sender, iter(state_dict(model).items()))
+            result, published = push(gloo_pool, delta_sender, iter(state_dict(model).items()), update=update)
             assert published == [0] and not result.failed, result
             check_serves(gloo_pool, model, version)
             results.append(result)
@@ -178,11 +177,10 @@ def test_an_init_the_replica_refuses_fails_at_once(tiny_models, tmp_path):
         sender = BroadcastSender(pool.urls, pool.key, wire=make_wire("gloo"), replica_tp=1, timeout_s=300,
                                  bucket_bytes=SMALL_BUCKET)
         try:
-            opened = pool.begin_update(None, "between_batches", 60)
             t0 = time.monotonic()
-            result = sender.push(iter(state_dict(tiny_models[1]).items()), urls=[pool.urls[i] for i in opened])
+            result = WeightUpdate.local(pool, sender, timeout_s=60).push(1, iter(state_dict(tiny_models[1]).items()),
+                                                                         check=False)
             waited = time.monotonic() - t0
-            pool.finish_update(1, [], abandoned=opened)
         finally:
             sender.close()
     reason = result.failed[pool.urls[0]]

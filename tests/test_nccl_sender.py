@@ -99,7 +99,7 @@ def test_the_engine_holds_one_group_per_pipeline_stage_and_receives_each_bucket_
     group it names, and a bucket for a stage with no group is refused naming those formed."""
     pytest.importorskip("vllm")
     from megatron_async.weights.broadcast_engine import BroadcastInitInfo, BroadcastUpdateInfo, MasGlooEngine
-    from megatron_async.weights.coverage import UpdateCoverage
+    from megatron_async.weights.engine_base import UpdateCoverage
     from megatron_async.weights.delta import DeltaDecoder
 
     class Engine(MasGlooEngine):

@@ -30,6 +30,7 @@ from megatron_async.weights.buckets import (
 )
 from megatron_async.weights.shm import SHM_DIR, ShmSegment, open_segment
 from megatron_async.weights.host_memory import HostMemorySender, carrier_for
+from megatron_async.weights.update import WeightUpdate
 from tests.rollout_fixtures import (
     LOGPROB_TOL, SMALL_BUCKET, build_variants, max_logprob_diff, perturbed, resync, sparsely_changed, spec, state_dict,
     sync,
@@ -210,7 +211,7 @@ def test_bad_checksum_drops_the_replica_from_the_push_and_leaves_it_stale(pool, 
     buckets): its `/update_weights` fails, the sender drops it for the rest of the push and reports
     it; replica 1 completes and publishes the version, replica 0 does not and serves nothing. The
     next full sync (other weights) then succeeds on both: the failed update left no half-loaded
-    layer behind (weights/cpu_engine.abort_layerwise_reload)."""
+    layer behind (weights/vllm_plugin.abort_reload)."""
     v = pool.current_version
     failed_model = other(models, pool.held)
     next_model = other(models, pool.held, failed_model)
@@ -294,7 +295,7 @@ def test_a_kept_sender_samples_checksums_and_no_replica_reads_an_answered_bucket
     """Three syncs through one sender, as the learner keeps it: the first push checks every byte,
     the next ones a sample. Every shm segment is zeroed as soon as both replicas answered its bucket
     (the sender may rewrite it from then on): the layers that buckets split (SMALL_BUCKET) still
-    load the pushed weights, so no replica read a bucket after answering it (cpu_engine.detach_buffered)."""
+    load the pushed weights, so no replica read a bucket after answering it (vllm_plugin.detach_buffered)."""
     answers: collections.Counter = collections.Counter()
     scopes: list = []
     lock = threading.Lock()
@@ -317,9 +318,10 @@ def test_a_kept_sender_samples_checksums_and_no_replica_reads_an_answered_bucket
     a = other(models, pool.held)
     b = other(models, a)
     with HostMemorySender(pool.urls, pool.key, timeout_s=60, bucket_bytes=SMALL_BUCKET, transport="shm") as sender:
+        update = WeightUpdate.local(pool, sender, timeout_s=60)
         for step, model_dir in enumerate([a, b, a], start=1):
             scopes.clear()
-            metrics, done = sync(pool, model_dir, v + step, sender=sender)
+            metrics, done = sync(pool, model_dir, v + step, update=update)
             assert done == [0, 1] and not metrics.failed and metrics.buckets > 10
             pool.held = model_dir
             sample_and_check(pool, model_dir, v + step, seed=step)
@@ -354,7 +356,7 @@ def test_shm_and_http_carriers_give_identical_samples_and_logprobs(pool, models)
 
 @pytest.mark.integration
 def test_delta_syncs_load_the_pushed_weights_and_a_replica_that_missed_one_gets_a_full_one(pool, models, tmp_path):
-    """One sender with `full_every=3`, as `rollout.sync_full_every: 3` keeps it: versions that
+    """One sender and update with `full_every=3`, as `rollout.sync_full_every: 3` keeps them: versions that
     change 2% of the elements go as deltas between full pushes (a fraction of the bytes), and the
     replicas serve exactly the pushed weights after each; after a push that only replica 0 took,
     the next push is full (replica 1's kept base is a version behind)."""
@@ -363,10 +365,10 @@ def test_delta_syncs_load_the_pushed_weights_and_a_replica_that_missed_one_gets_
     for seed in range(1, 6):
         versions.append(sparsely_changed(versions[-1], tmp_path / f"v{seed}", fraction=0.02, seed=seed))
     pushes = []
-    with HostMemorySender(pool.urls, pool.key, timeout_s=60, bucket_bytes=SMALL_BUCKET, transport="shm",
-                          full_every=3) as sender:
+    with HostMemorySender(pool.urls, pool.key, timeout_s=60, bucket_bytes=SMALL_BUCKET, transport="shm") as sender:
+        update = WeightUpdate.local(pool, sender, full_every=3, timeout_s=60)
         for step, (model_dir, ids) in enumerate(zip(versions, [None] * 4 + [[0], None]), start=1):
-            metrics, done = sync(pool, model_dir, v + step, ids, sender=sender)
+            metrics, done = sync(pool, model_dir, v + step, ids, update=update)
             assert done == (ids or [0, 1]) and not metrics.failed
             pushes.append(metrics)
             if ids is None:

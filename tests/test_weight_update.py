@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_async.weights.change import STRIDE, WHOLE_TENSOR, ChangeMeter
+from megatron_async.weights.delta import STRIDE, WHOLE_TENSOR, DeltaEncoder
 from megatron_async.weights.sender import PushResult, WeightSyncError
 from megatron_async.weights.update import WeightUpdate
 
@@ -53,7 +53,7 @@ class FakeSender:
         self.drained = 0
         self.dtypes: list[torch.dtype] = []
 
-    def push(self, named_tensors, urls):
+    def push(self, named_tensors, urls, keep=False):
         self.pushed.append(list(urls))
         if self.refuse:
             next(iter(named_tensors))  # a refusal comes after the first bucket started
@@ -153,30 +153,45 @@ def test_tensors_are_sent_in_the_replicas_dtype(ctrl):
 
 def test_the_changed_fraction_is_of_the_replicas_dtype_and_sampled_in_large_tensors():
     """fp32 steps of 1e-4 on weights near 1 change every fp32 element and none in bf16 (half a bf16
-    unit there is 2e-3); a tensor above WHOLE_TENSOR elements is sampled every STRIDE-th element."""
+    unit there is 2e-3); a tensor above WHOLE_TENSOR elements is sampled every STRIDE-th element.
+    The encoder counts what `WeightUpdate` streams: the tensors already cast to the replicas' dtype."""
     base = {"small": torch.ones(100), "large": torch.ones(WHOLE_TENSOR * 4)}
     stepped = {name: t + 1e-4 for name, t in base.items()}
     for dtype, expected in [(torch.float32, 1.0), (torch.bfloat16, 0.0)]:
-        meter = ChangeMeter(dtype)
-        list(meter.observe(iter(base.items())))
+        meter = DeltaEncoder(keep_whole=False)
+        list(meter.encode((n, t.to(dtype)) for n, t in base.items()))
         assert (meter.changed, meter.compared) == (0, 0)  # nothing to compare the first push with
-        out = list(meter.observe(iter(stepped.items())))
-        assert [n for n, _ in out] == ["small", "large"] and out[0][1] is stepped["small"]  # passed through
+        cast = {n: t.to(dtype) for n, t in stepped.items()}
+        out = list(meter.encode(iter(cast.items())))
+        assert [n for n, _ in out] == ["small", "large"] and out[0][1] is cast["small"]  # passed through
         assert meter.compared == 100 + -(-WHOLE_TENSOR * 4 // STRIDE)
         assert meter.changed / meter.compared == expected
-    meter = ChangeMeter(torch.float32)
-    list(meter.observe(iter(base.items())))
+    meter = DeltaEncoder(keep_whole=False)
+    list(meter.encode(iter(base.items())))
     half = base["large"].clone()
     half[: half.numel() // 2] += 1.0
-    list(meter.observe(iter({"small": base["small"], "large": half}.items())))
+    list(meter.encode(iter({"small": base["small"], "large": half}.items())))
     assert abs(meter.changed - WHOLE_TENSOR * 2 / STRIDE) <= 1  # the sampled elements of the changed half
 
 
 def test_rank0s_result_carries_the_changed_fraction_from_the_second_push_on(ctrl):
     pool, sender = FakePool(), FakeSender()
     weights = WeightUpdate(ctrl, URLS, "between_batches", timeout_s=5.0, stage=0, pool=pool, sender=sender,
-                           meter=ChangeMeter(torch.float32))
+                           encoder=DeltaEncoder(keep_whole=False))
     assert weights.push(1, tensors()).changed_fraction is None
     changed = iter([("w0", torch.ones(2)), ("w1", torch.zeros(2)), ("w2", torch.zeros(2))])
     assert weights.push(2, changed).changed_fraction == pytest.approx(2 / 6)
     assert sender.drained == 6
+
+
+def test_the_vllm_adapter_refuses_a_vllm_it_was_not_written_for():
+    """weights/vllm_plugin.py touches vLLM internals read from one release series: another fails
+    at once, naming both versions and the fix, instead of misbehaving inside a sync."""
+    from megatron_async.weights.vllm_plugin import VLLM_SERIES, VllmVersionError, check_vllm_version
+
+    series = ".".join(map(str, VLLM_SERIES))
+    check_vllm_version(f"{series}.0")
+    check_vllm_version(f"{series}.1rc1")
+    for other in ["0.33.0", "0.31.2", "1.0.0", "dev"]:
+        with pytest.raises(VllmVersionError, match=rf"vLLM {other} is installed.*vllm=={series}\.0"):
+            check_vllm_version(other)

@@ -15,8 +15,8 @@ process of its own; skipped with a note in the JSON when that package is not ins
 - reference: transformers `generate` (fp32, sampling, min_new_tokens = max_new_tokens, batch of
   all prompts x n) on the same prompts and counts, in this process after the pool has stopped,
   with `--hf-threads` torch threads; `ratio` = pool / transformers.
-- sync: one vLLM weight update of the model's full state dict (`begin_update`, `HostMemorySender.push`,
-  `finish_update`) `syncs` times per transport in `--transports` (a new version each); seconds
+- sync: one vLLM weight update of the model's full state dict (`WeightUpdate.local`: `begin_update`,
+  the sender's push, `finish_update`, as the learner runs it) `syncs` times per transport in `--transports` (a new version each); seconds
   (the whole update, pause to resume) and GB/s (payload bytes to all replicas / those seconds)
   per sync; the sender is created once per transport (the shm segment is reused). `gloo` (the
   broadcast sender of weights/broadcast.py over gloo) needs replicas running `mas_gloo`: a second
@@ -52,14 +52,14 @@ from pathlib import Path
 import torch
 
 from megatron_async.cluster.cpu_affinity import pin_learner, replica_pin_env
-from megatron_async.config import BROADCAST_TRANSPORTS
+from megatron_async.config import BROADCAST_TRANSPORTS, weight_engine
 from megatron_async.io_utils import atomic_write_text
 from megatron_async.models.tiny import build_tiny_llama, build_tokenizer, default_corpus
 from megatron_async.rollout import ReplicaPool, ReplicaSpec, Sampling
 from megatron_async.weights.broadcast import BroadcastSender, make_wire
 from megatron_async.weights.host_memory import HostMemorySender
 from megatron_async.weights.sender import WeightSender
-from megatron_async.weights.vllm_plugin import backend_for
+from megatron_async.weights.update import WeightUpdate
 
 PROMPT_TOKENS = 16
 
@@ -120,24 +120,24 @@ def change_elements(state: dict, fraction: float, gen: torch.Generator) -> None:
         t[pick] *= 1 + 2 ** -6
 
 
-def measure_syncs(pool: ReplicaPool, sender: WeightSender, transport: str, state: dict, args,
-                  first_version: int) -> list[dict]:
-    """`args.syncs` weight updates of `state` through `sender`, one version each; from the second
-    on, `args.changed_fraction` of the elements changed before each."""
+def measure_syncs(pool: ReplicaPool, sender: WeightSender, transport: str, state: dict, args, first_version: int,
+                  full_every: int) -> list[dict]:
+    """`args.syncs` weight updates of `state` through `sender` (the learner's update in one process,
+    `WeightUpdate.local`), one version each; from the second on, `args.changed_fraction` of the
+    elements changed before each."""
     syncs = []
     gen = torch.Generator().manual_seed(0)
+    update = WeightUpdate.local(pool, sender, full_every=full_every, timeout_s=300)
     for version in range(first_version, first_version + args.syncs):
         if version > first_version and args.changed_fraction:
             change_elements(state, args.changed_fraction, gen)
         load, t = os.getloadavg()[0], time.perf_counter()
-        opened = pool.begin_update(None, "between_batches", timeout_s=300)
-        m = sender.push(iter(state.items()), urls=[pool.urls[i] for i in opened])
-        published = pool.finish_update(version, opened)
+        m = update.push(version, iter(state.items()), check=False)
         seconds = time.perf_counter() - t
-        if m.failed or len(published) != args.replicas:
-            raise RuntimeError(f"sync {version} ({transport}): failed {m.failed}, published {published}")
+        if m.failed or len(m.published) != args.replicas:
+            raise RuntimeError(f"sync {version} ({transport}): failed {m.failed}, published {m.published}")
         syncs.append({"transport": transport, "load_avg": load, "seconds": seconds, "push_seconds": m.seconds,
-                      "gb_per_s": m.bytes_total / seconds / 1e9, "delta": m.delta,
+                      "gb_per_s": m.bytes_total / seconds / 1e9, "delta": m.delta, "full_every": full_every,
                       "changed_fraction": args.changed_fraction if version > first_version else None,
                       **{k: getattr(m, k) for k in ("bytes", "bytes_total", "send_seconds", "buckets")}})
     return syncs
@@ -171,14 +171,13 @@ def bench_model(name: str, model_dir: Path, args) -> dict:
         for transport in [t for t in args.transports if t not in BROADCAST_TRANSPORTS]:  # this pool's engine: mas_cpu
             for full_every in args.full_every:  # a sender each: its first push is full
                 with HostMemorySender(pool.urls, pool.key, timeout_s=300, bucket_bytes=args.bucket_mb << 20,
-                                      transport=transport, full_every=full_every) as sender:
-                    syncs += [{**s, "full_every": full_every} for s in
-                              measure_syncs(pool, sender, transport, state, args, first_version=len(syncs) + 1)]
+                                      transport=transport) as sender:
+                    syncs += measure_syncs(pool, sender, transport, state, args, len(syncs) + 1, full_every)
         result["syncs"] = syncs
     finally:
         pool.stop()
     if "gloo" in args.transports:  # replicas of the broadcast engine (mas_gloo): a pool of their own
-        gloo_spec = dataclasses.replace(spec, weight_backend=backend_for("gloo"))
+        gloo_spec = dataclasses.replace(spec, weight_backend=weight_engine("gloo"))
         pool = ReplicaPool(gloo_spec, args.replicas, log_dir=Path(args.work) / f"logs-{name}-gloo", start_timeout_s=600,
                            env=pin)
         pool.start()
@@ -186,12 +185,12 @@ def bench_model(name: str, model_dir: Path, args) -> dict:
             version = 1
             for full_every in args.full_every:  # a sender each (its own group): its first push is full
                 sender = BroadcastSender(pool.urls, pool.key, wire=make_wire("gloo"), replica_tp=1, timeout_s=300,
-                                         bucket_bytes=args.bucket_mb << 20, full_every=full_every)
+                                         bucket_bytes=args.bucket_mb << 20)
                 try:
-                    syncs = measure_syncs(pool, sender, "gloo", state, args, first_version=version)
+                    syncs = measure_syncs(pool, sender, "gloo", state, args, version, full_every)
                 finally:
                     sender.close()
-                result["syncs"] += [{**s, "full_every": full_every} for s in syncs]
+                result["syncs"] += syncs
                 version += len(syncs)
         finally:
             pool.stop()

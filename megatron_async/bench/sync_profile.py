@@ -95,7 +95,7 @@ def profile_in_worker(worker, full: list[dict], sampled: list[dict], syncs: int)
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
     from vllm.model_executor.model_loader.reload import layerwise
 
-    from megatron_async.weights import cpu_engine
+    from megatron_async.weights import cpu_engine, vllm_plugin
 
     engine = worker.weight_transfer_engine
     out = []
@@ -105,13 +105,13 @@ def profile_in_worker(worker, full: list[dict], sampled: list[dict], syncs: int)
             (cpu_engine, "open_segment", "map"),
             (cpu_engine, "unpack_bucket", "verify+view"),
             (type(engine.model), "load_weights", "load"),
-            (cpu_engine, "detach_buffered", "detach"),
+            (vllm_plugin, "detach_buffered", "detach"),
             (layerwise, "materialize_layer", "load.materialize"),
             (UnquantizedLinearMethod, "process_weights_after_loading", "load.repack_linear"),
             (UnquantizedEmbeddingMethod, "process_weights_after_loading", "load.repack_embedding"),
             (layerwise, "_copy_and_restore_kernel_tensors", "load.copy_back"),
             (layerwise, "finalize_layerwise_processing", "finish.finalize"),
-            (cpu_engine, "refresh_tied_head", "finish.tied_head"),
+            (vllm_plugin, "refresh_tied_head", "finish.tied_head"),
         ]:
             stack.enter_context(wrapped(owner, attr, phase))
         for sync in range(syncs):

@@ -9,12 +9,11 @@ import torch
 
 from megatron_async.cluster.cpu_affinity import replica_pin_env
 from megatron_async.cluster.placement import replica_devices
-from megatron_async.config import Config, replica_dtype, weight_transport
+from megatron_async.config import Config, replica_dtype, weight_engine, weight_transport
 from megatron_async.models.base_model import prepare_base_model
 from megatron_async.rollout.launcher import replica_environment
 from megatron_async.rollout.pool import ReplicaPool
 from megatron_async.rollout.replica import ReplicaSpec, server_command, server_env
-from megatron_async.weights.vllm_plugin import backend_for
 
 
 def replica_spec(cfg: Config, model: Path) -> ReplicaSpec:
@@ -24,7 +23,7 @@ def replica_spec(cfg: Config, model: Path) -> ReplicaSpec:
                        max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens,
                        kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)), seed=cfg.run.seed,
                        prefix_caching=r.weight_update == "between_batches",
-                       weight_backend=backend_for(weight_transport(cfg)[0]))
+                       weight_backend=weight_engine(weight_transport(cfg)[0]))
 
 
 def replica_urls(cfg: Config) -> list[str]:

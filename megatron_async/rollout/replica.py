@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from megatron_async.weights.vllm_plugin import BACKEND
+from megatron_async.config import HOST_MEMORY_ENGINE
 
 AUTH_MIDDLEWARE = "megatron_async.rollout.auth.RequireKey"
 GENERATE_ROUTE = "/inference/v1/generate"  # token ids in, completions with token ids and version spans out
@@ -56,7 +56,7 @@ class ReplicaSpec:
     # vLLM weight-transfer backend, one of our engines (weights/vllm_plugin.py): mas_cpu (host memory:
     # shm or inline; CPU and GPU replicas alike), mas_nccl / mas_gloo (vLLM's NCCL engine on NCCL or
     # gloo; rollout.weight_transport: nccl / gloo; weights/broadcast.py)
-    weight_backend: str = BACKEND
+    weight_backend: str = HOST_MEMORY_ENGINE
 
 
 def server_entry() -> list[str]:

@@ -64,8 +64,8 @@ import torch
 from megatron_async.config import LOOPBACK_HOSTS
 from megatron_async.rollout.launcher import free_port
 from megatron_async.rollout.replica import ReplicaClient
+from megatron_async.weights import vllm_plugin
 from megatron_async.weights.buckets import group_by_cap
-from megatron_async.weights.delta import DeltaSchedule
 from megatron_async.weights.sender import PushResult, WeightSyncError
 
 
@@ -100,16 +100,7 @@ class NcclWire:
         self.device = torch.cuda.current_device()
 
     def open(self, address: str, port: int, world_size: int, timeout_s: float) -> "NcclChannel":
-        # vLLM's nccl_common.stateless_init_process_group, with the store's timeout bounded by ours
-        # (its default, 300 s, is what an early failure of the replica's init would cost)
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
-        from vllm.utils.nccl import unpinned_nccl_env
-
-        store = StatelessProcessGroup.create(host=address, port=port, rank=0, world_size=world_size,
-                                             store_timeout=int(timeout_s))
-        with unpinned_nccl_env():
-            return NcclChannel(PyNcclCommunicator(store, device=self.device))
+        return NcclChannel(vllm_plugin.pynccl_sender(address, port, world_size, timeout_s, self.device))
 
 
 class NcclChannel:
@@ -182,11 +173,8 @@ class BroadcastSender:
     """One pipeline stage's sender rank's groups with the replicas, and the bucket stream over them."""
 
     def __init__(self, urls: Sequence[str], key: str, *, wire: Wire, replica_tp: int, timeout_s: float,
-                 bucket_bytes: int, address: str = "", base_port: int = 0, full_every: int = 0, stage: int = 0):
-        if full_every and wire.transport == "nccl":
-            raise ValueError("delta sync over nccl is not built (vLLM's sparse_nccl backend is the path)")
+                 bucket_bytes: int, address: str = "", base_port: int = 0, stage: int = 0):
         self.wire, self.replica_tp, self.stage = wire, replica_tp, stage
-        self._deltas = DeltaSchedule(full_every) if full_every else None  # weights/delta.py
         self.timeout_s, self.bucket_bytes, self.base_port = timeout_s, bucket_bytes, base_port
         self._index = {u: i for i, u in enumerate(urls)}
         self._address = {u: address or address_towards(u) for u in urls}
@@ -196,9 +184,6 @@ class BroadcastSender:
         self._pool = ThreadPoolExecutor(max_workers=2 * len(urls), thread_name_prefix=f"{wire.transport}-sync")
 
     def forget(self, urls: Iterable[str]) -> None:
-        urls = list(urls)
-        if self._deltas is not None:
-            self._deltas.forget(urls)
         for url in urls:
             if (channel := self._channels.pop(url, None)) is not None:
                 channel.destroy()
@@ -226,7 +211,8 @@ class BroadcastSender:
             raise TimeoutError(f"replica {i}: its {self.wire.transport} group of stage {self.stage} did not form within {self.timeout_s:.0f} s")
         return opened.result()
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], urls: Sequence[str] | None = None) -> PushResult:
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], urls: Sequence[str] | None = None,
+             keep: bool = False) -> PushResult:
         """Stream the tensors into the open update of each replica in `urls` (None: all)."""
         t0 = time.perf_counter()
         failed: dict[str, str] = {}
@@ -242,28 +228,23 @@ class BroadcastSender:
                 failed[url] = f"forming its {self.wire.transport} group: {e!r}"
         num_buckets = nbytes = 0
         send_s = 0.0
-        delta = self._deltas is not None and self._deltas.begin(live)
-        if self._deltas is not None:
-            named_tensors = self._deltas.encoder.encode(named_tensors, delta)
         for bucket in group_by_cap(named_tensors, self.bucket_bytes):  # drained even with no replica left
             num_buckets += 1
             nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
             if not live:
                 continue
             t = time.perf_counter()
-            for url, reason in self._send_bucket(bucket, live).items():
+            for url, reason in self._send_bucket(bucket, live, keep).items():
                 failed[url] = reason
                 live.remove(url)
                 self.forget([url])
             send_s += time.perf_counter() - t
-        if self._deltas is not None:
-            self._deltas.end(live, delta)
         return PushResult(bytes=nbytes, replicas=len(live), buckets=num_buckets, seconds=time.perf_counter() - t0,
-                          send_seconds=send_s, failed=failed, carriers=[self.wire.transport], delta=delta)
+                          send_seconds=send_s, failed=failed, carriers=[self.wire.transport])
 
-    def _send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]], urls: Sequence[str]) -> dict[str, str]:
+    def _send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]], urls: Sequence[str], keep: bool) -> dict[str, str]:
         """One bucket into every replica of `urls` -> {url: why it failed} for those it did not reach."""
-        info = update_info(bucket, keep=self._deltas is not None, group=self.stage)
+        info = update_info(bucket, keep=keep, group=self.stage)
         tensors = [t.contiguous() for _, t in bucket]  # kept referenced until every replica has them
         receiving = {u: self._pool.submit(self._clients[u].update_weights, info) for u in urls}
         sending: dict[str, Callable[[], bool]] = {}

@@ -1,12 +1,9 @@
 """vLLM weight-transfer engines `mas_nccl` and `mas_gloo`: the replica's end of weights/broadcast.py.
 
 `mas_nccl` is vLLM's dense NCCL engine (`NCCLWeightTransferEngine`,
-vllm/distributed/weight_transfer/nccl_engine.py) with what a long run needs of it:
-- a failed bucket aborts the open layerwise reload (`abort_layerwise_reload`). NOTE (vLLM 0.32):
-  vLLM's worker ends the update session when `update_weights` raises but leaves the model's
-  reload state open, and that replica then never loads weights again (weights/cpu_engine.py);
-- the `{"verify": true}` call answers whether the update covered every parameter, as `mas_cpu`
-  does (so the pool verifies every sync whatever the transport);
+vllm/distributed/weight_transfer/nccl_engine.py) with what a long run needs of it, the same as
+`mas_cpu` where weights/engine_base.py runs the update (abort on failure, verify, delta decoding,
+the tied head), and these of its own:
 - one group per learner pipeline stage, held side by side (vLLM's engine holds one): each
   stage's sender is rank 0 of its own group, named by `group` (its stage) in the init call and in
   every bucket's `/update_weights`, so a TP x PP learner's stages stream into one update session
@@ -14,10 +11,8 @@ vllm/distributed/weight_transfer/nccl_engine.py) with what a long run needs of i
 - a group formed again (a failed push, a re-formed sender) replaces the old one of its stage,
   destroyed, instead of leaking it (vLLM's `init_transfer_engine` overwrites it);
 - buckets come unpacked (one broadcast per tensor, vLLM's non-packed mode): the receive loop is
-  vLLM's unpacked branch, recording what `load_weights` loaded;
-- delta sync (weights/delta.py): with `keep` each received tensor is kept (`DeltaDecoder`), and a
-  tensor named `<name>#delta` overwrites the changed elements of the kept one, loaded whole. The
-  kept copy is in host memory on a GPU replica too (a received tensor is copied to the host first).
+  vLLM's unpacked branch; with `keep` (delta sync) a received tensor is copied to the host first,
+  so that the kept copy is in host memory on a GPU replica too.
 
 `mas_gloo` is the same class with one change: its group is weights/gloo.py's GlooCommunicator
 instead of vLLM's PyNccl one (and so no CUDA stream is passed). Both are registered by our vLLM
@@ -32,11 +27,9 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_process_group
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine, NCCLWeightTransferUpdateInfo
-from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-from megatron_async.weights.coverage import UpdateCoverage
-from megatron_async.weights.cpu_engine import abort_layerwise_reload, refresh_tied_head
-from megatron_async.weights.delta import DeltaDecoder
+from megatron_async.weights import vllm_plugin
+from megatron_async.weights.engine_base import MasEngine
 from megatron_async.weights.gloo import GlooCommunicator
 
 # a worker waiting for the sender's next tensor gives up after this (the sender's own deadline,
@@ -56,15 +49,13 @@ class BroadcastUpdateInfo(NCCLWeightTransferUpdateInfo):
     group: int = 0  # the group (learner pipeline stage) the bucket's tensors come over
 
 
-class MasNcclEngine(NCCLWeightTransferEngine):
+class MasNcclEngine(MasEngine, NCCLWeightTransferEngine):
     init_info_cls = BroadcastInitInfo
     update_info_cls = BroadcastUpdateInfo
 
-    def __init__(self, config, vllm_config, device, model):
-        super().__init__(config, vllm_config, device, model)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.groups: dict[int, Any] = {}  # learner pipeline stage -> its group (PyNccl or gloo communicator)
-        self.coverage = UpdateCoverage()
-        self.deltas = DeltaDecoder()  # the weights as last loaded, where the sender sends deltas
 
     def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
         if init_info.packed:
@@ -73,51 +64,29 @@ class MasNcclEngine(NCCLWeightTransferEngine):
             old.destroy()
         self.groups[init_info.group] = self.join_group(init_info)
 
-    def join_group(self, init_info: BroadcastInitInfo):
+    def join_group(self, init_info: BroadcastInitInfo) -> Any:
         return worker_init_process_group(init_info, self.parallel_config)
-
-    def start_weight_update(self) -> None:
-        self.coverage.start(self.model)
-        super().start_weight_update()
 
     def parse_update_info(self, update_dict: dict) -> BroadcastUpdateInfo:
         if update_dict.get("verify"):
             return BroadcastUpdateInfo(names=[], dtype_names=[], shapes=[], verify=True)
         return super().parse_update_info(update_dict)
 
-    def update_weights(self, update_info: dict) -> None:
-        try:
-            self.receive_weights(self.parse_update_info(update_info))
-            if self.device.type != "cpu":  # the base class's wait for the device (none to ask on CPU)
-                torch.accelerator.synchronize()
-        except BaseException:
-            self.coverage.stop()
-            abort_layerwise_reload(self.model)
-            raise
-
-    def receive_weights(self, update_info: BroadcastUpdateInfo) -> None:
-        if update_info.verify:
-            self.coverage.check()
-            return
+    def receive(self, update_info: BroadcastUpdateInfo) -> None:
         if (group := self.groups.get(update_info.group)) is None:
             raise RuntimeError(f"weight transfer group {update_info.group} not formed (groups formed: "
                                f"{sorted(self.groups)}): call init_transfer_engine first")
         stream = torch.cuda.current_stream() if self.device.type == "cuda" else None
-        with disable_mtp_completeness_check():
+        with vllm_plugin.tensor_by_tensor_loading():
             for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
                 weight = torch.empty(shape, dtype=getattr(torch, dtype_name), device=self.device)
                 group.broadcast(weight, src=0, stream=stream)
-                if update_info.keep:  # the received tensor is this engine's own: kept as it is, on the host
-                    name, weight = self.deltas.decode(name, weight.cpu(), owned=True)
-                self.coverage.record(self.model.load_weights([(name, weight)]))
+                # kept on the host; the received tensor is this engine's own
+                self.load([(name, weight.cpu() if update_info.keep else weight)], keep=update_info.keep, owned=True)
                 del weight
 
-    def finish_weight_update(self) -> None:
-        self.coverage.stop()
-        super().finish_weight_update()
-        refresh_tied_head(self.model)  # a CPU replica's packed head copy; nothing to do on GPU
-
     def shutdown(self) -> None:
+        super().shutdown()
         for group in self.groups.values():
             group.destroy()
         self.groups.clear()

@@ -1,15 +1,25 @@
-"""Delta weight sync: send only the elements that changed since the last sync, as overwrites.
+"""What one sync changed, and delta weight sync: only the changed elements, as overwrites.
 
-    schedule = DeltaSchedule(full_every)                       # a sender's, for the whole run
+    encoder = DeltaEncoder(keep_whole=bool(full_every))       # a stage sender rank's, for the whole run
+    schedule = DeltaSchedule(full_every)                       # with delta sync
     delta = schedule.begin(urls)                               # each push: may it be a delta?
-    stream = schedule.encoder.encode(named_tensors, delta)     # (name, whole or delta) pairs
+    stream = encoder.encode(named_tensors, delta)              # (name, whole or delta) pairs
     schedule.end(reached, delta)                               # the replicas that took all of it
+    encoder.changed, encoder.compared                          # weight_sync/changed_fraction
     decoder = DeltaDecoder()                                   # each replica engine's
     full = decoder.decode(name, tensor)                        # the tensor to load, after the overwrite
 
-What one sync changes (weights/change.py measures it, `weight_sync/changed_fraction`): in bf16 a
-small Adam step leaves most elements as they were (1-2% change per step in our SmolLM2 runs; peers
-report 1-5%); in fp32 nearly every element moves (82-92%). A delta carries each changed element as
+weights/update.py builds a push's stream once, with this encoder: the tensors cast to the
+replicas' dtype, compared with what the last push sent by one exact, bit-based comparison, which
+gives both the metric and the delta.
+
+What one sync changes (`weight_sync/changed_fraction`): in bf16 a small Adam step leaves most
+elements as they were (1-2% change per step in our SmolLM2 runs; peers report 1-5%,
+`../shared/notes/peers-late-2026.md` 1c); in fp32 nearly every element moves (82-92%). Without
+delta sync the encoder keeps only a fixed sample to count on, so that the metric costs little and
+keeps little: every element of a tensor of at most `WHOLE_TENSOR` elements, every `STRIDE`-th
+element (a prime, so that the sample does not line up with rows) of a larger one, about 1/STRIDE
+of the model (SmolLM2-135M: 9 MB; an 8B model: 0.26 GB, on the device the tensors live on). A delta carries each changed element as
 its flat index (int32) and its new value: 6 bytes per element in bf16 against 2 for the whole
 tensor, so it pays below a third of the elements changed (half in fp32). `DeltaEncoder` decides per
 tensor and sends the tensor whole where the delta would not be smaller, so a delta push is never
@@ -27,11 +37,11 @@ Invariants:
 - Both ends keep the last state they agreed on, in the replicas' dtype: the encoder what it last
   sent (its base), each replica what it last loaded (the decoder's base). A delta is only correct
   against the same base, so a push is a delta only if every target took the previous push
-  completely (`DeltaSchedule`, used by both senders): a replica that failed, restarted, or missed
+  completely (`DeltaSchedule`, weights/update.py's, whatever sender carries the push): a replica that failed, restarted, or missed
   a push gets a full one, and every `full_every`-th push is full anyway. A decoder without a base for a
   delta's tensor refuses it (`DeltaBaseError`): the sender then drops the replica from the push
   and sends it a full one next.
-- Memory: each end holds one copy of the weights it syncs, in the replicas' dtype, on the host.
+- Memory: with delta sync each end holds one copy of the weights it syncs, in the replicas' dtype, on the host.
 - A replica still loads every tensor, whole (vLLM's layerwise reload needs every weight of a layer
   to process it, and repacks it for the CPU kernels): a delta saves the bytes packed, carried and
   checked, not the replica's loading.
@@ -43,6 +53,8 @@ from typing import Iterable, Iterator
 import torch
 
 DELTA_SUFFIX = "#delta"
+WHOLE_TENSOR = 4096  # without delta sync: tensors up to this many elements are counted whole ...
+STRIDE = 61  # ... larger ones on every STRIDE-th element
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an element's bits, by its size
 
 
@@ -68,24 +80,47 @@ def decode_delta(wire: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
 
 
 class DeltaEncoder:
-    """The sender's side: what it last sent, per tensor, and the delta of each new version to it."""
+    """The sender's side: what it last sent, per tensor, and the one exact comparison with it.
 
-    def __init__(self):
-        self._base: dict[str, torch.Tensor] = {}  # name -> the tensor as the replicas have it (host, flat)
+    `keep_whole` (delta sync): the base is each tensor whole, on the host, and a push may go as
+    deltas against it; else a fixed sample of it (module docstring), on the tensor's device, only
+    counted on. `changed` / `compared`: the elements of the last `encode` that differ from the push
+    before it, of tensors that push sent too (the count of a sample, without delta sync)."""
 
-    def encode(self, named_tensors: Iterable[tuple[str, torch.Tensor]], delta: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    def __init__(self, keep_whole: bool = True) -> None:
+        self.keep_whole = keep_whole
+        self._base: dict[str, torch.Tensor] = {}  # name -> the tensor as the replicas have it (flat)
+        # summed where the tensors are (a GPU's), read to the host once per push, by `changed`
+        self._changed: torch.Tensor | int = 0
+        self.compared = 0
+
+    @property
+    def changed(self) -> int:
+        return int(self._changed)
+
+    def encode(self, named_tensors: Iterable[tuple[str, torch.Tensor]], delta: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield each tensor whole (`delta` False, or no base, or the delta would not be smaller),
         or as its delta against the base (name + DELTA_SUFFIX); the base becomes the new version."""
+        if delta and not self.keep_whole:
+            raise ValueError("a delta needs the whole base (DeltaEncoder(keep_whole=True))")
+        self._changed = self.compared = 0
         for name, tensor in named_tensors:
-            flat = tensor.detach().reshape(-1).to("cpu")
+            flat = tensor.detach().reshape(-1)
+            if not self.keep_whole:
+                flat = flat if flat.numel() <= WHOLE_TENSOR else flat[::STRIDE]
+            else:
+                flat = flat.to("cpu")
             base = self._base.get(name)
-            if not delta or base is None or base.shape != flat.shape or base.dtype != flat.dtype:
+            if base is None or base.shape != flat.shape or base.dtype != flat.dtype:
                 self._base[name] = flat.clone()
                 yield name, tensor
                 continue
             bits = BITS[flat.element_size()]
             changed = flat.view(bits) != base.view(bits)
-            if int(torch.count_nonzero(changed)) * (4 + flat.element_size()) >= flat.numel() * flat.element_size():
+            self.compared += flat.numel()
+            count = torch.count_nonzero(changed)
+            self._changed = self._changed + count
+            if not delta or int(count) * (4 + flat.element_size()) >= flat.numel() * flat.element_size():
                 base.copy_(flat)  # counted before any index is made: fp32 changes most elements
                 yield name, tensor
                 continue
@@ -100,13 +135,12 @@ class DeltaEncoder:
 
 
 class DeltaSchedule:
-    """A sender's side of delta sync: which push may be a delta, and the encoder."""
+    """Which push may be a delta (weights/update.py's, beside its encoder)."""
 
-    def __init__(self, full_every: int):
+    def __init__(self, full_every: int) -> None:
         if full_every < 2:
             raise ValueError(f"full_every={full_every}: a delta schedule needs a full push every >= 2 pushes")
         self.full_every = full_every
-        self.encoder = DeltaEncoder()
         self._holding: set[str] = set()  # replicas that hold the encoder's base: they took the last push whole
         self._deltas_since_full = 0
 
@@ -131,7 +165,7 @@ class DeltaSchedule:
 class DeltaDecoder:
     """A replica's side: what it last loaded, per tensor, and a delta applied to it (an overwrite)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._base: dict[str, torch.Tensor] = {}
 
     def decode(self, name: str, tensor: torch.Tensor, owned: bool = False) -> tuple[str, torch.Tensor]:

@@ -4,7 +4,7 @@ communicator (`broadcast(tensor, src, stream)`, `destroy()`), plus the sender's 
 Both ends of `rollout.weight_transport: gloo` use it: the learner's sender (weights/broadcast.py,
 rank 0) and the replica's `mas_gloo` engine (weights/broadcast_engine.py, ranks 1..W-1), so that
 the rest of the NCCL path, ours and vLLM's, runs unchanged over TCP. The group is vLLM's own
-stateless one (`stateless_init_torch_distributed_process_group`: a TCP store rendezvous at the
+stateless one (`vllm_plugin.stateless_gloo_group`: a TCP store rendezvous at the
 sender, no global torch.distributed state), so it lives beside the learner's process groups.
 
 Gloo moves CPU tensors: a CUDA tensor is staged through host memory on either end.
@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import socket
 import threading
-from datetime import timedelta
 from typing import Callable, Sequence
 
 import torch
+
+from megatron_async.weights import vllm_plugin
 
 
 class GlooCommunicator:
@@ -33,14 +34,10 @@ class GlooCommunicator:
         without it, torch's tcp:// rendezvous under torchrun (TORCHELASTIC_USE_AGENT_STORE=True, as on
         every learner rank) makes no rank the store's server, and the group never forms (found with a
         PP=2 learner, tests/test_broadcast_pp.py)."""
-        # NOTE: vLLM is imported here, not at the top: the communicator itself needs only torch, and
+        # NOTE: vLLM is imported there, not at the top: the communicator itself needs only torch, and
         # gpu_check's weight_wire phase runs it where vLLM is not installed (the lent GPU machine)
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
         listen = socket.create_server((address, port)) if rank == 0 else None
-        return cls(stateless_init_torch_distributed_process_group(
-            address, port, rank, world_size, backend="gloo", timeout=timedelta(seconds=timeout_s),
-            listen_socket=listen))
+        return cls(vllm_plugin.stateless_gloo_group(address, port, rank, world_size, timeout_s, listen_socket=listen))
 
     def broadcast(self, tensor: torch.Tensor, src: int, stream=None) -> None:
         """PyNccl's blocking broadcast (`stream` is a CUDA stream there; gloo has none)."""

@@ -31,11 +31,8 @@ from this sender; the first push to a replica, every push after one of its failu
 on each side (a third of a SmolLM2 sync); the bytes of an shm bucket never leave this host's
 memory, and the sample still catches a wrong, truncated or rewritten segment.
 
-Delta sync (`full_every` >= 2, `rollout.sync_full_every`; weights/delta.py): a push sends only
-the changed elements of each tensor (where that is smaller) when every target replica took the
-previous push completely and fewer than `full_every` - 1 deltas followed the last full push;
-otherwise it is full. Every bucket then asks the replica to keep what it loads (`keep`), the base
-of the next delta.
+Delta sync (`rollout.sync_full_every`): weights/update.py decides and encodes it (weights/delta.py);
+with `keep` every bucket asks the replica to keep what it loads, the base of the next delta.
 
 Failure: every request is bounded by `timeout_s`. A replica that fails a bucket is dropped from
 the rest of this push and reported in `PushResult.failed`; rank 0 does not publish the version
@@ -58,7 +55,6 @@ import torch
 from megatron_async.config import BROADCAST_TRANSPORTS, LOOPBACK_HOSTS, WeightTransport
 from megatron_async.rollout.replica import ReplicaClient, ReplicaError
 from megatron_async.weights.buckets import SAMPLE_STRIDE, iter_buckets
-from megatron_async.weights.delta import DeltaSchedule
 from megatron_async.weights.sender import PushResult
 from megatron_async.weights.shm import HEADER_SLACK, ShmSegment
 from megatron_async.weights.shm import free_bytes as shm_free_bytes
@@ -85,7 +81,7 @@ class HostMemorySender:
     """Streams one pipeline stage's HF-named tensors into every replica's open weight update."""
 
     def __init__(self, urls: Sequence[str], key: str, *, timeout_s: float = 120.0, bucket_bytes: int = 64 << 20,
-                 transport: str = "auto", full_every: int = 0):
+                 transport: str = "auto"):
         if not urls:
             raise ValueError("HostMemorySender needs at least one replica URL")
         if not key:
@@ -102,17 +98,14 @@ class HostMemorySender:
         self._segments = [ShmSegment(bucket_bytes), ShmSegment(bucket_bytes)] if "shm" in self.carriers else []
         self._pool = ThreadPoolExecutor(max_workers=len(self._clients), thread_name_prefix="weight-sync")
         self._verified: set[str] = set()  # replicas whose last push from here had every byte checked, or a sample since
-        self._deltas = DeltaSchedule(full_every) if full_every else None
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], urls: Sequence[str] | None = None) -> PushResult:
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], urls: Sequence[str] | None = None,
+             keep: bool = False) -> PushResult:
         """Send this stage's tensors into the open update of the replicas at `urls` (None: all)."""
         t0 = time.perf_counter()
         live = list(self._clients.values()) if urls is None else [self._clients[u] for u in urls]
         failed: dict[str, str] = {}
         sampled = self.carriers == ["shm"] and all(c.url in self._verified for c in live)
-        delta = self._deltas is not None and self._deltas.begin(c.url for c in live)
-        if self._deltas is not None:
-            named_tensors = self._deltas.encoder.encode(named_tensors, delta)
         send_s = 0.0
         num_buckets = nbytes = 0
         in_flight: list = []
@@ -129,7 +122,7 @@ class HostMemorySender:
             in_flight.clear()
             send_s += time.perf_counter() - t
 
-        for bucket_info, size in self._buckets(named_tensors, secrets.randbelow(SAMPLE_STRIDE) if sampled else None):
+        for bucket_info, size in self._buckets(named_tensors, secrets.randbelow(SAMPLE_STRIDE) if sampled else None, keep):
             collect()  # NOTE: one bucket in flight; its shm segment is rewritten two buckets later
             in_flight.extend((c, self._pool.submit(c.update_weights, bucket_info[self._carrier[c]])) for c in live)
             num_buckets += 1
@@ -137,12 +130,10 @@ class HostMemorySender:
         collect()
         self._verified |= {c.url for c in live}
         self._verified -= failed.keys()
-        if self._deltas is not None:
-            self._deltas.end((c.url for c in live), delta)
         return PushResult(bytes=nbytes, replicas=len(live), buckets=num_buckets, seconds=time.perf_counter() - t0,
-                          send_seconds=send_s, failed=failed, carriers=self.carriers, delta=delta)
+                          send_seconds=send_s, failed=failed, carriers=self.carriers)
 
-    def _buckets(self, tensors: Iterable[tuple[str, torch.Tensor]], sample_offset: int | None):
+    def _buckets(self, tensors: Iterable[tuple[str, torch.Tensor]], sample_offset: int | None, keep: bool):
         """Per bucket: ({carrier: update_info}, payload bytes); `sample_offset`: sampled checksums."""
         turn = {"count": 0, "segment": None}
 
@@ -151,7 +142,6 @@ class HostMemorySender:
             turn["count"] += 1
             return turn["segment"].buffer(nbytes)
 
-        keep = self._deltas is not None  # the replica keeps what it loads: the next delta's base
         for bucket in iter_buckets(tensors, self.bucket_bytes, alloc if self._segments else bytearray, sample_offset):
             size = len(bucket.payload)
             info = {}
@@ -164,12 +154,8 @@ class HostMemorySender:
             yield info, size
 
     def forget(self, urls: Iterable[str]) -> None:
-        """The next push to these replicas checks every byte and sends every weight again (no
-        connection or group is kept)."""
-        urls = set(urls)
-        self._verified -= urls
-        if self._deltas is not None:
-            self._deltas.forget(urls)
+        """The next push to these replicas checks every byte (no connection or group is kept)."""
+        self._verified -= set(urls)
 
     def close(self) -> None:
         for c in self._clients.values():

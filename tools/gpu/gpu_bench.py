@@ -180,6 +180,7 @@ def vllm_phase(args) -> dict:
 
     from megatron_async.rollout import ReplicaPool, ReplicaSpec, Sampling
     from megatron_async.weights.host_memory import HostMemorySender
+    from megatron_async.weights.update import WeightUpdate
 
     cuda = torch.cuda.is_available()
     model_dir = build_checkpoint(Path(args.out))
@@ -209,14 +210,13 @@ def vllm_phase(args) -> dict:
         weights = load_file(str(model_dir / "model.safetensors"))
         syncs = []
         with HostMemorySender(pool.urls, pool.key, timeout_s=300, bucket_bytes=512 << 20) as sender:
+            update = WeightUpdate.local(pool, sender, timeout_s=300)  # the learner's update, in this one process
             for version in range(1, 4):
                 t = time.perf_counter()
-                opened = pool.begin_update(None, "between_batches", timeout_s=300)
-                m = sender.push(iter(weights.items()))
-                published = pool.finish_update(version, [i for i in opened if pool.urls[i] not in m.failed])
+                m = update.push(version, iter(weights.items()), check=False)
                 seconds = time.perf_counter() - t
                 syncs.append({"seconds": seconds, "gb_per_s": m.bytes_total / seconds / 1e9, "bytes": m.bytes,
-                              "published": published, "failed": m.failed})
+                              "published": m.published, "failed": m.failed})
         out["sync"] = {"per_update": syncs, "seconds_mean": sum(s["seconds"] for s in syncs) / len(syncs)}
     _write(Path(args.out) / "vllm.json", out)
     return out
