@@ -20,7 +20,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 import torch
 import yaml
@@ -39,7 +39,10 @@ TOKEN_ENV = "MEGATRON_ASYNC_ROLLOUT_TOKEN"  # rollout.token when the config leav
 OnLongPrompt = Literal["error", "drop"]  # data.on_long_prompt
 WeightTransport = Literal["auto", "shm", "http", "nccl", "gloo"]  # rollout.weight_transport
 BROADCAST_TRANSPORTS = ("nccl", "gloo")  # weights/broadcast.py's; the others are weights/host_memory.py's
-AlgorithmName = Literal[tuple(ALGORITHMS)]  # trainer.algorithm: the registry's names
+if TYPE_CHECKING:  # the registry's names are known when it is imported, not to a type checker
+    AlgorithmName = str
+else:
+    AlgorithmName = Literal[tuple(ALGORITHMS)]  # trainer.algorithm: the registry's names (checked on load)
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})  # a host only this machine reaches
 # rollout.weight_transport -> the vLLM weight-transfer engine the replicas run (weights/vllm_plugin.py
 # registers them): mas_cpu (host memory, weights/cpu_engine.py) unless the transport broadcasts
@@ -425,7 +428,7 @@ class Config:
 # ----------------------------------------------------------------------------- loading
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
     """Defaults, then the YAML file at `path`, then `key.sub=value` overrides; then validate."""
     cfg = Config()
     if path is not None:

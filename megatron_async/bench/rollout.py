@@ -48,6 +48,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -167,7 +168,7 @@ def bench_model(name: str, model_dir: Path, args) -> dict:
         tokens = sum(len(r.token_ids) for r in records)
         result["pool"] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "load_avg": load,
                           "requests_per_replica": pool.stats()["requests_per_replica"]}
-        syncs = []
+        syncs: list[dict] = []
         for transport in [t for t in args.transports if t not in BROADCAST_TRANSPORTS]:  # this pool's engine: mas_cpu
             for full_every in args.full_every:  # a sender each: its first push is full
                 with HostMemorySender(pool.urls, pool.key, timeout_s=300, bucket_bytes=args.bucket_mb << 20,
@@ -184,12 +185,12 @@ def bench_model(name: str, model_dir: Path, args) -> dict:
         try:
             version = 1
             for full_every in args.full_every:  # a sender each (its own group): its first push is full
-                sender = BroadcastSender(pool.urls, pool.key, wire=make_wire("gloo"), replica_tp=1, timeout_s=300,
-                                         bucket_bytes=args.bucket_mb << 20)
+                broadcast = BroadcastSender(pool.urls, pool.key, wire=make_wire("gloo"), replica_tp=1, timeout_s=300,
+                                            bucket_bytes=args.bucket_mb << 20)
                 try:
-                    syncs = measure_syncs(pool, sender, "gloo", state, args, version, full_every)
+                    syncs = measure_syncs(pool, broadcast, "gloo", state, args, version, full_every)
                 finally:
-                    sender.close()
+                    broadcast.close()
                 result["syncs"] += syncs
                 version += len(syncs)
         finally:
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.work = args.work or tempfile.mkdtemp(prefix="bench-rollout-")
     pin_learner(args.learner_cpus)
-    results = {"command": " ".join(["megatron-async bench rollout", *argv]), "cpus": os.cpu_count(),
+    results: dict[str, Any] = {"command": " ".join(["megatron-async bench rollout", *argv]), "cpus": os.cpu_count(),
                "placement": {"learner_cpus": args.learner_cpus, "replica_cpus": args.replica_cpus}, "models": []}
     for name in args.models:
         model_dir = prepare(name, Path(args.work))

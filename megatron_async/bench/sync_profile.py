@@ -33,6 +33,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,7 +46,7 @@ from megatron_async.weights.shm import ShmSegment
 # is: the engine's worker runs in this process, so its model is reachable for the timers
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-TIMED = defaultdict(float)  # phase -> seconds, for the sync being measured
+TIMED: defaultdict[str, float] = defaultdict(float)  # phase -> seconds, for the sync being measured
 
 
 @contextmanager
@@ -168,7 +169,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default="profile_weight_sync.json")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="profile-wsync-"))
-    results = {"command": " ".join(["megatron-async bench sync-profile", *argv]), "models": []}
+    results: dict[str, Any] = {"command": " ".join(["megatron-async bench sync-profile", *argv]), "models": []}
     for name in args.models:
         model_dir = prepare(name, work)
         if model_dir is None:
