@@ -22,7 +22,7 @@ from megatron_async.algorithms import Algorithm, build_algorithm, dp_shard, spli
 from megatron_async.algorithms.base import Microbatch, attach
 from megatron_async.algorithms.batching import Sample
 from megatron_async.config import Config, ConfigError, model_dtype
-from megatron_async.learner.schedule import compute_logprobs, compute_values, recording, share_with_pipeline
+from megatron_async.learner.schedule import LossFn, compute_logprobs, compute_values, recording, share_with_pipeline
 from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
 from megatron_async.learner.model import LearnerModel, build_model, read_arch
 from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
@@ -47,7 +47,8 @@ class Trainable:
     optimizer: MegatronOptimizer
     scheduler: OptimizerParamScheduler
 
-    def train_step(self, microbatches: list[Microbatch], loss_fn, sync_params: bool = True) -> dict[str, float]:
+    def train_step(self, microbatches: list[Microbatch], loss_fn: LossFn[Microbatch],
+                   sync_params: bool = True) -> dict[str, float]:
         """One optimizer step over `microbatches` (`learner.optimizer.train_step`; `sync_params=False`
         leaves an overlapped parameter gather running into the next step)."""
         return train_step(self.model, self.optimizer, self.scheduler, microbatches, loss_fn, sync_params=sync_params)
@@ -149,13 +150,16 @@ class LearnerState:
         if old_from_training:
             loss_fn = recording(loss_fn, trained_logprobs)
         policy_metrics, value_metrics = [], []
+        value_loss = algo.value_loss
+        if self.value is not None and value_loss is None:
+            raise TypeError(f"{algo.name} has a value model but no value_loss")
         last = updates * len(minibatches) - 1
         for i, mbs in enumerate(mbs for _ in range(updates) for mbs in minibatches):  # T passes x N optimizer steps
             # NOTE the weights are read (weight push) only after the batch's last step: the parameter
             # gather of earlier steps may overlap the next step's forward (parallel.overlap_param_gather)
             policy_metrics.append(self.policy.train_step(mbs, loss_fn, sync_params=i == last))
-            if self.value is not None:
-                value_metrics.append(self.value.train_step(mbs, algo.value_loss, sync_params=i == last))
+            if self.value is not None and value_loss is not None:
+                value_metrics.append(self.value.train_step(mbs, value_loss, sync_params=i == last))
         if old_from_training:
             (mbs,) = minibatches
             attach(mbs, "old_logprobs", share_with_pipeline(trained_logprobs, mbs, self.layout.device))
