@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,13 +42,13 @@ def start_pool(cfg: Config, model: Path) -> ReplicaPool:
     """The run's replicas serving `model`: servers started here (one process group each), or the
     URLs of servers started elsewhere."""
     r = cfg.rollout
-    common = dict(key=r.token or None, start_timeout_s=r.startup_timeout_s, request_timeout_s=r.generate_timeout_s,
-                  max_failures=r.max_replica_failures)
+    common: dict[str, Any] = dict(key=r.token or None, start_timeout_s=r.startup_timeout_s,
+                                  request_timeout_s=r.generate_timeout_s, max_failures=r.max_replica_failures)
     if urls := replica_urls(cfg):
         return ReplicaPool(replica_spec(cfg, Path(model)), urls=urls, **common).start()
     return ReplicaPool(replica_spec(cfg, Path(model).resolve()), r.num_replicas, host=r.host, base_port=r.base_port,
                        log_dir=cfg.run_dir / "replicas", devices=replica_devices(cfg),  # None on CPU
-                       env=replica_pin_env(r.replica_cpus), **common).start()
+                       env=replica_pin_env(str(r.replica_cpus)), **common).start()
 
 
 def serve_replica(cfg: Config, index: int) -> int:

@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from megatron_async.data.problem import Problem
 from megatron_async.rollout.pool import Completion
@@ -72,7 +72,7 @@ class RolloutProducer:
     """
 
     def __init__(self, make_batch: Callable[[int], RolloutBatch], max_lag: int, last_batch: int,
-                 first_batch: int = 0, synced_version: int = 0, ready: list[RolloutBatch] = (),
+                 first_batch: int = 0, synced_version: int = 0, ready: Sequence[RolloutBatch] = (),
                  updates_during_generation: bool = False):
         self.make_batch = make_batch
         self.max_lag = max_lag

@@ -26,6 +26,7 @@ import importlib.metadata
 import json
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -115,8 +116,8 @@ class Sampling:
     seed: int | None = None  # the pool seeds prompt i with seed + i * n (vLLM seeds completion j with seed + j)
     ignore_eos: bool = False  # fixed-length generation (benchmarks)
 
-    def params(self, seed: int | None) -> dict:
-        p = {"n": self.n, "temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens,
+    def params(self, seed: int | None) -> dict[str, Any]:
+        p: dict[str, Any] = {"n": self.n, "temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens,
              "ignore_eos": self.ignore_eos, "detokenize": False}
         if self.stop:
             p["stop"] = list(self.stop)
@@ -139,9 +140,11 @@ class ReplicaError(RuntimeError):
 
 def parse_version(label: str | None, default: int) -> int:
     """vLLM's weight_version label as our integer version ("default" before any was set)."""
+    if label is None:
+        return default
     try:
         return int(label)
-    except (TypeError, ValueError):
+    except ValueError:
         return default
 
 
