@@ -56,7 +56,7 @@ from __future__ import annotations
 import socket
 import time
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 from urllib.parse import urlparse
 
 import torch
@@ -131,7 +131,7 @@ class GlooWire:
 
 
 def make_wire(transport: str) -> Wire:
-    wires = {"nccl": NcclWire, "gloo": GlooWire}
+    wires: dict[str, type[Wire]] = {"nccl": NcclWire, "gloo": GlooWire}
     if transport not in wires:
         raise ValueError(f"rollout.weight_transport={transport!r}: the broadcast sender takes {' or '.join(wires)}")
     return wires[transport]()
@@ -201,11 +201,12 @@ class BroadcastSender:
         port = self.base_port + self.stage * len(self._index) + i if self.base_port else free_port(address)
         joined = self._pool.submit(client.init_weight_transfer, _vllm_init_info(address, port, 1 + workers, self.stage))
         opened = self._pool.submit(self.wire.open, address, port, 1 + workers, self.timeout_s)
-        wait([joined, opened], timeout=self.timeout_s, return_when=FIRST_EXCEPTION)
-        for step in (joined, opened):  # the replica's refusal first: it says why
-            if step.done() and step.exception() is not None:
+        steps: list[Future[Any]] = [joined, opened]  # the replica's refusal first: it says why
+        wait(steps, timeout=self.timeout_s, return_when=FIRST_EXCEPTION)
+        for step in steps:
+            if step.done() and (error := step.exception()) is not None:
                 _destroy_when_open(opened)
-                raise step.exception()
+                raise error
         if not opened.done() or not joined.done():
             _destroy_when_open(opened)
             raise TimeoutError(f"replica {i}: its {self.wire.transport} group of stage {self.stage} did not form within {self.timeout_s:.0f} s")

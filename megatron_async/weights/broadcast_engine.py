@@ -22,7 +22,7 @@ plugin (weights/vllm_plugin.py); replicas of `rollout.weight_transport: nccl | g
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_process_group
@@ -57,7 +57,9 @@ class MasNcclEngine(MasEngine, NCCLWeightTransferEngine):
         super().__init__(*args, **kwargs)
         self.groups: dict[int, Any] = {}  # learner pipeline stage -> its group (PyNccl or gloo communicator)
 
-    def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
+    # vLLM's engine is generic in its info classes and the NCCL engine fixes them to its own; ours
+    # subclass those and `init_info_cls` / `update_info_cls` make vLLM build ours
+    def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:  # type: ignore[override]  # see above
         if init_info.packed:
             raise ValueError(f"{type(self).__name__} receives unpacked buckets (weights/broadcast.py sends them so)")
         if (old := self.groups.pop(init_info.group, None)) is not None:
@@ -70,7 +72,7 @@ class MasNcclEngine(MasEngine, NCCLWeightTransferEngine):
     def parse_update_info(self, update_dict: dict) -> BroadcastUpdateInfo:
         if update_dict.get("verify"):
             return BroadcastUpdateInfo(names=[], dtype_names=[], shapes=[], verify=True)
-        return super().parse_update_info(update_dict)
+        return cast(BroadcastUpdateInfo, super().parse_update_info(update_dict))  # built from update_info_cls
 
     def receive(self, update_info: BroadcastUpdateInfo) -> None:
         if (group := self.groups.get(update_info.group)) is None:
@@ -97,5 +99,7 @@ class MasGlooEngine(MasNcclEngine):
         # this worker's rank: vLLM's nccl_common.worker_init_process_group computes it so
         p = self.parallel_config
         rank = p.data_parallel_index * p.world_size + p.rank + init_info.rank_offset
+        if init_info.master_address is None or init_info.master_port is None:
+            raise ValueError("mas_gloo joins the sender's group: init_info needs master_address and master_port")
         return GlooCommunicator.join(init_info.master_address, init_info.master_port, rank, init_info.world_size,
                                      GLOO_RECEIVE_TIMEOUT_S)

@@ -32,7 +32,7 @@ import struct
 import warnings
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -96,7 +96,8 @@ def pack_bucket(
     # NOTE: largest elements first, and the header padded to 8 bytes: every tensor's data then
     # starts at a multiple of its element size, which the zero-copy views in unpack_bucket need.
     ordered = sorted(tensors, key=lambda nt: -nt[1].element_size())
-    header, offset = {}, 0
+    header: dict[str, dict[str, Any]] = {}
+    offset = 0
     for name, t in ordered:
         nbytes = t.numel() * t.element_size()
         header[name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}

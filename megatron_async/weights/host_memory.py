@@ -47,7 +47,7 @@ import logging
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, Sequence, get_args
+from typing import Any, Iterable, Sequence, get_args
 from urllib.parse import urlparse
 
 import torch
@@ -135,7 +135,7 @@ class HostMemorySender:
 
     def _buckets(self, tensors: Iterable[tuple[str, torch.Tensor]], sample_offset: int | None, keep: bool):
         """Per bucket: ({carrier: update_info}, payload bytes); `sample_offset`: sampled checksums."""
-        turn = {"count": 0, "segment": None}
+        turn: dict[str, Any] = {"count": 0, "segment": None}  # the buckets so far, the segment the last one used
 
         def alloc(nbytes: int):  # the segment the previous bucket did not use
             turn["segment"] = self._segments[turn["count"] % 2]

@@ -55,6 +55,7 @@ class ShmSegment:
         """A writable view of `nbytes`; replaces the file by a larger one if it does not fit."""
         if self._mm is None or nbytes > self.size:
             self._create(max(nbytes, self.initial_bytes))
+        assert self._mm is not None  # made by _create
         return memoryview(self._mm)[:nbytes]
 
     def _create(self, size: int) -> None:
