@@ -60,9 +60,9 @@ class Microbatch(TypedDict):
     output (a dataclass would need Optional fields and a None check at every read).
 
     One writer: every key is ReadOnly, so mypy refuses `mb[key] = ...` anywhere; a microbatch is
-    made only by `build_microbatch`, and later fields are added only
-    through `attach` (or `scatter_rows`, which calls it). Tensors are [b, s] unless noted;
-    b counts padding rows (`row_weight` 0), the first `real_rows` rows are real.
+    made only by `build_microbatch`, and later fields are added only through `attach` (or
+    `scatter_rows`, which calls it). Tensors are [b, s] unless noted; b counts padding rows
+    (`row_weight` 0), the first `real_rows` rows are real.
     """
 
     input_ids: ReadOnly[torch.Tensor]  # long [b, s], right-padded
