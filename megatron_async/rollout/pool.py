@@ -155,6 +155,7 @@ class ReplicaPool:
         self._launcher = None if urls else LocalLauncher(
             spec, host, self.key, Path(log_dir or tempfile.mkdtemp(prefix="replicas-")), start_timeout_s, self.gpu, env,
             devices)
+        addresses: list[tuple[str, int | None]]
         if urls:
             addresses = [(u.rstrip("/"), None) for u in urls]
         else:
@@ -177,7 +178,7 @@ class ReplicaPool:
         try:
             if self._launcher is not None:
                 for rep in self._replicas:
-                    self._launcher.start(rep.id, rep.port)
+                    self._launch(rep)
             for rep in self._replicas:
                 self._came_up(rep)
         except BaseException:
@@ -203,6 +204,15 @@ class ReplicaPool:
                 self._launcher.kill(rep.id, grace_s=10.0)
         for rep in self._replicas:
             rep.client.close()
+
+    def _launch(self, rep: _Replica, *, restart: bool = False) -> None:
+        """Start `rep`'s server here (`restart`: kill its old one first)."""
+        launcher, port = self._launcher, rep.port
+        if launcher is None or port is None:
+            raise PoolError(f"replica {rep.id} at {rep.url} was started elsewhere: this pool cannot start it")
+        if restart:
+            launcher.kill(rep.id)
+        launcher.start(rep.id, port)
 
     def _came_up(self, rep: _Replica, recovered: bool = False) -> None:
         """Wait until `rep` answers, then label its weights with the checkpoint's version.
@@ -256,8 +266,7 @@ class ReplicaPool:
 
     def _restart(self, rep: _Replica) -> None:
         try:
-            self._launcher.kill(rep.id)
-            self._launcher.start(rep.id, rep.port)
+            self._launch(rep, restart=True)
             self._came_up(rep, recovered=True)
         except BaseException as e:  # noqa: BLE001 - counted as one more failure
             with self._lock:
@@ -267,7 +276,7 @@ class ReplicaPool:
     def _reconnect(self, rep: _Replica) -> None:
         try:
             self._came_up(rep, recovered=True)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001 - recorded; _check_budget raises in the caller
             with self._lock:
                 rep.restarting, rep.error = False, f"{rep.url} did not answer again: {e}"
 
