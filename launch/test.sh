@@ -11,7 +11,7 @@
 #   bash launch/test.sh -m "integration and not slow"   component tests that start processes:
 #       vLLM replicas, torchrun / megatron workers, an MLflow server, the reward-model worker, the CLI
 #   bash launch/test.sh -m slow                         whole `megatron-async train` jobs (minutes each)
-#   bash launch/test.sh                                 everything (~16-25 min on 2 cores; CI runs this)
+#   bash launch/test.sh                                 everything (74 min on a 2-core AMD EPYC; CI runs this)
 # Tests marked `gpu` skip themselves without CUDA; run them with `bash launch/gpu_check.sh`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
