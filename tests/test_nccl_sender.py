@@ -97,7 +97,6 @@ def test_the_engine_holds_one_group_per_pipeline_stage_and_receives_each_bucket_
     """mas_gloo / mas_nccl's side of a PP learner (fakes for the groups and the model): groups keyed
     by stage side by side, a group formed again replaces only its stage's, a bucket is read from the
     group it names, and a bucket for a stage with no group is refused naming those formed."""
-    pytest.importorskip("vllm")
     from megatron_async.weights.broadcast_engine import BroadcastInitInfo, BroadcastUpdateInfo, MasGlooEngine
     from megatron_async.weights.engine_base import UpdateCoverage
     from megatron_async.weights.delta import DeltaDecoder
