@@ -79,6 +79,10 @@ def test_run_summary_names_metric_wall_time_and_where_things_are(tmp_path):
     assert f"plot: {cfg.run_dir}/training.png" in text and f"final model (HF): {cfg.run_dir}/hf_final" in text
     assert f"MLflow run abc123 in {uri}" in text and f"open it: mlflow ui --backend-store-uri {uri}" in text
     assert f"{cfg.run_dir}/train.log" in text
+    paired = {"up": 79, "down": 28, "mcnemar_p": 8.36e-7}
+    text = run_summary(cfg, 512, 0.502, 0.602, None, None, None, tracker_at(uri), None, paired=paired)
+    assert ("before 0.502 -> after 0.602 (+0.100; 79 problems wrong -> right, 28 right -> wrong, "
+            "exact McNemar p = 8.4e-07)") in text
     server = run_summary(cfg, 8, None, 0.5, None, None, None, tracker_at("http://mlflow:5000"), None)
     assert "after training: 0.500" in server and "mlflow ui" not in server and "http://mlflow:5000" in server
 
@@ -133,15 +137,29 @@ def test_greedy_eval_lists_each_completion_and_verdict(capsys):
     json.dumps(result)  # what --output and eval_<tag>.json write
 
 
-def test_compare_evals_pairs_the_verdicts():
+def test_paired_test_pairs_the_verdicts():
+    from megatron_async.run.evaluate import paired_test
+
+    before = {"results": [{"id": str(i), "reward": float(i < 2)} for i in range(10)]}  # 0, 1 right
+    after = {"results": [{"id": str(i), "reward": float(i in (1, 2, 3, 4, 5, 6))} for i in range(10)]}
+    after["results"].append({"id": "10", "reward": 1.0})  # not in `before`: left out
+    before["results"][9]["reward"] = None  # could not be scored before: left out
+    c = paired_test(before, after)
+    assert (c["paired"], c["both_right"], c["up"], c["down"]) == (9, 1, 5, 1)
+    assert c["difference"] == pytest.approx(4 / 9) and c["mcnemar_p"] == pytest.approx(2 * 7 / 64)  # P(X<=1), n=6
+
+
+def test_compare_evals_prints_the_paired_test(tmp_path, capsys):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("compare_evals", Path(__file__).resolve().parents[1] / "tools"
                                                   / "compare_evals.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    before = {"results": [{"id": str(i), "reward": float(i < 2)} for i in range(10)]}  # 0, 1 right
-    after = {"results": [{"id": str(i), "reward": float(i in (1, 2, 3, 4, 5, 6))} for i in range(10)]}
-    c = mod.compare(before, after)
-    assert (c["paired"], c["both_right"], c["wrong_to_right"], c["right_to_wrong"]) == (10, 1, 5, 1)
-    assert c["difference"] == pytest.approx(0.4) and c["mcnemar_p"] == pytest.approx(2 * 7 / 64)  # P(X<=1), n=6
+    for tag, right in (("before", (0,)), ("after", (0, 1, 2))):
+        results = [{"id": str(i), "reward": float(i in right)} for i in range(4)]
+        (tmp_path / f"eval_{tag}.json").write_text(json.dumps({"pass@1": len(right) / 4, "scored": 4, "results": results}))
+    assert mod.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "before: pass@1 0.2500" in out and "after : pass@1 0.7500" in out
+    assert "wrong -> right 2, right -> wrong 0" in out and "exact McNemar p = 0.5" in out

@@ -18,7 +18,7 @@ from megatron_async.data import (
     synthetic_problems,
     tokenize_prompts,
 )
-from megatron_async.data.synthetic import split_of
+from megatron_async.data.synthetic import DIRECT_FRACTION, split_of
 from megatron_async.rewards import gsm8k_reward
 
 GSM8K = Path("/work/shared/data/gsm8k")
@@ -298,3 +298,14 @@ def test_load_prompts_reads_the_chat_keys(bos_tokenizer, tmp_path):
                              "data.system_prompt=Be brief."])
     (p,), _ = load_prompts(cfg, bos_tokenizer, str(path), "train", 0)
     assert p.messages[0] == {"role": "system", "content": "Be brief."} and p.text.endswith("<|assistant|>\n")
+
+
+def test_synthetic_solutions_are_mostly_direct_and_open_by_their_style():
+    """The main job's SFT data: DIRECT_FRACTION of the solutions state only the answer and say so in
+    their first words, the rest are worked steps that open with the first calculation."""
+    problems = synthetic_problems(2000, seed=3)
+    direct = [p for p in problems if p.solution.startswith("The answer is ")]
+    worked = [p for p in problems if not p.solution.startswith("The answer is ")]
+    assert all(p.solution == f"The answer is {p.answer}.\n#### {p.answer}" for p in direct)
+    assert all(re.match(r"\d+ [-+*/] \d+ = ", p.solution) for p in worked)
+    assert abs(len(direct) / len(problems) - DIRECT_FRACTION) < 0.03

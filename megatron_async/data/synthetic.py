@@ -4,13 +4,15 @@ Each problem comes with a GSM8k-format solution ending in "#### <answer>", so it
 exactly the same loaders, template and exact-match reward as real GSM8k. Used by the CPU runs and
 the tests: a tiny model can learn it within minutes.
 
-Two styles of solution, as in human-written data of mixed quality (`DIRECT_FRACTION` of them
-direct): WORKED solutions compute by place value, "57 + 38 = 50 + 30 + 7 + 8 = 80 + 15 = 95.", so
-every step is a small fact that many problems share; DIRECT ones state only the answer, "95.". A
-tiny model imitates both, but only the worked style carries over to held-out calculations (after
-SFT the CPU main job's model is right on ~28% of held-out problems it answers worked and ~0% of
-those it answers direct). That is what gives RL with an exact-match reward something to learn:
-choose to show the working, and get the steps right (README, "The CPU main job").
+Two styles of solution, as in human-written data of mixed quality: WORKED solutions compute by
+place value, "57 + 38 = 50 + 30 + 7 + 8 = 80 + 15 = 95.", so every step is a small fact that many
+problems share; DIRECT ones (`DIRECT_FRACTION` of them, the majority) state only the answer, "The
+answer is 95.". Only the worked style carries over to held-out calculations. The two styles open
+differently, so a model imitating this data makes one clear choice at its first token, and with a
+70/30 majority that choice is not balanced on an edge that floating-point details could tip: after
+SFT, greedy decoding answers direct (measured with seed 1: 508 of 512 held-out problems, right on 16%).
+That gives RL with an exact-match reward something robust to learn: choose to show the working,
+and get the steps right (docs/main-job.md).
 
 Determinism and splits: the generator is `random.Random` seeded from (seed, split), so the same
 arguments give the same list on any machine. A problem's split is a hash of its arithmetic
@@ -26,7 +28,7 @@ from megatron_async.data.problem import Problem
 
 SPLITS = ("train", "test")
 TEST_FRACTION = 5  # 1 in 5 calculations belongs to "test"
-DIRECT_FRACTION = 0.5  # share of solutions that state only the answer
+DIRECT_FRACTION = 0.7  # share of solutions that state only the answer
 NAMES = ["Ann", "Ben", "Cara", "Dan", "Eve", "Finn", "Gus", "Hana", "Ivy", "Jon"]
 THINGS = ["apples", "books", "coins", "pens", "cards", "eggs", "shells", "stamps", "marbles", "stickers"]
 
@@ -106,7 +108,7 @@ def synthetic_problems(n: int, seed: int = 0, split: str = "train") -> list[Prob
             continue
         seen.add((kind, numbers))
         worked = rng.random() >= DIRECT_FRACTION
-        solution = (" ".join(steps) if worked else f"{answer}.") + f"\n#### {answer}"
+        solution = (" ".join(steps) if worked else f"The answer is {answer}.") + f"\n#### {answer}"
         problems.append(Problem(id=f"synthetic-{split}-{seed}-{len(problems)}", question=question, solution=solution, answer=str(answer)))
         if len(problems) == n:
             return problems

@@ -5,7 +5,9 @@ scored, named by `reward.kind` (EVAL_METRIC): pass@1 for GSM8k exact match, the 
 score ("rm_score") for a reward model. Samples that could not be scored are counted ("errors",
 "timeouts") and left out of the mean, never counted as 0. `greedy_eval` is what the trainer calls
 before and after RL (on its own pool and scorer) and what `megatron-async eval` calls on any HF
-checkpoint (run/eval_command.py), with a progress bar over chunks of prompts.
+checkpoint (run/eval_command.py), with a progress bar over chunks of prompts. `paired_test` compares
+two exact-match evaluations of the same problems problem by problem (the run's summary, run/report.py,
+and tools/compare_evals.py).
 
 The JSON (`--output`; eval_<tag>.json in a run dir) holds the headline numbers and, per problem:
 id, question, reference answer, completion, the number read from it ("extracted", exact match),
@@ -13,6 +15,8 @@ the reward, the verdict ("correct" / "wrong" for exact match, "scored" for a rew
 "error" / "timeout" when it could not be scored), the error and the policy version.
 """
 from __future__ import annotations
+
+import math
 
 from tqdm import tqdm
 
@@ -62,3 +66,24 @@ def greedy_eval(pool, tokenizer, prompts, scorer, reward_kind: str, max_new_toke
     metric = EVAL_METRIC[reward_kind]
     return {"metric": metric, metric: sum(kept) / len(kept) if kept else float("nan"), "n": len(results),
             "scored": len(kept), "errors": report.n_errors, "timeouts": report.n_timeouts, "results": results}
+
+
+def paired_test(before: dict, after: dict) -> dict:
+    """Two exact-match evaluations of the same problems (greedy_eval's results, e.g. a run's
+    eval_before.json and eval_after.json), problem by problem: how many both got right, "up" (wrong
+    -> right), "down" (right -> wrong), the paired difference in pass@1 with its standard error, and
+    the exact two-sided McNemar p-value (the binomial test of up against down: under no change, each
+    problem that changed is as likely to go either way). Problems either side could not score are
+    left out of the pairing."""
+    b = {r["id"]: r["reward"] for r in before["results"]}
+    a = {r["id"]: r["reward"] for r in after["results"]}
+    ids = [i for i in b if i in a and b[i] is not None and a[i] is not None]
+    up = sum(1 for i in ids if b[i] < 1 <= a[i])
+    down = sum(1 for i in ids if a[i] < 1 <= b[i])
+    both = sum(1 for i in ids if b[i] >= 1 and a[i] >= 1)
+    n, d = len(ids), up + down
+    p_value = min(1.0, 2 * sum(math.comb(d, k) for k in range(min(up, down) + 1)) / 2 ** d) if d else 1.0
+    diff = (up - down) / n if n else float("nan")
+    se_diff = math.sqrt(max(0.0, d - (up - down) ** 2 / n)) / n if n else float("nan")
+    return {"paired": n, "both_right": both, "up": up, "down": down, "difference": diff,
+            "difference_se": se_diff, "mcnemar_p": p_value}

@@ -24,7 +24,7 @@ from megatron_async.observability.logs import log_file
 from megatron_async.observability.plots import plot_training
 from megatron_async.observability.tracking import Tracker
 from megatron_async.rollout.producer import RolloutBatch
-from megatron_async.run.evaluate import EVAL_METRIC
+from megatron_async.run.evaluate import EVAL_METRIC, paired_test
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +88,11 @@ class StepReport:
         self.tracker.log_artifact(png)
         self.tracker.log_artifact(run_dir / "config.yaml")
         atomic_write_text(run_dir / "history.json", json.dumps(self.history, indent=0))
-        print(run_summary(cfg, n_eval, before, after, wall_s=_process_seconds(), png=png,
-                          checkpoint=checkpoint, tracker=self.tracker, log_path=log_file()), flush=True)
+        paired = None
+        if before is not None and after is not None and EVAL_METRIC[cfg.reward.kind] == "pass@1":
+            paired = paired_test(*(json.loads((run_dir / f"eval_{tag}.json").read_text()) for tag in ("before", "after")))
+        print(run_summary(cfg, n_eval, before, after, wall_s=_process_seconds(), png=png, checkpoint=checkpoint,
+                          tracker=self.tracker, log_path=log_file(), paired=paired), flush=True)
 
 
 def _process_seconds() -> float | None:
@@ -101,15 +104,20 @@ def _process_seconds() -> float | None:
 
 
 def run_summary(cfg: Config, n_eval: int, before: float | None, after: float | None, wall_s: float | None,
-                png: Path | None, checkpoint: Path | None, tracker: Tracker, log_path: Path | None) -> str:
-    """The end-of-run summary printed on the terminal: the held-out metric before -> after, wall
-    time, and where the outputs are (checkpoint, HF export, plot, per-problem verdicts, MLflow run
-    with the command that opens its UI, log file)."""
+                png: Path | None, checkpoint: Path | None, tracker: Tracker, log_path: Path | None,
+                paired: dict | None = None) -> str:
+    """The end-of-run summary printed on the terminal: the held-out metric before -> after with,
+    for exact match, the paired test (`paired`: run.evaluate.paired_test), wall time, and where the
+    outputs are (checkpoint, HF export, plot, per-problem verdicts, MLflow run with the command that
+    opens its UI, log file)."""
     run_dir, metric = cfg.run_dir, EVAL_METRIC[cfg.reward.kind]
     lines = [f"== {cfg.run.name}: {cfg.trainer.algorithm}, {cfg.trainer.steps} steps, max_lag={cfg.rollout.max_lag}"]
     if before is not None and after is not None:
+        test = "" if paired is None else (f"; {paired['up']} problems wrong -> right, {paired['down']} right -> wrong, "
+                                          f"exact McNemar p = {paired['mcnemar_p']:.2g}")
         lines.append(f"{metric} on {n_eval} held-out problems: before {before:.3f} -> after {after:.3f} "
-                     f"({after - before:+.3f}; per problem: {run_dir / 'eval_before.json'}, eval_after.json)")
+                     f"({after - before:+.3f}{test})")
+        lines.append(f"  per problem: {run_dir / 'eval_before.json'}, eval_after.json")
     elif after is not None:
         lines.append(f"{metric} on {n_eval} held-out problems after training: {after:.3f} ({run_dir / 'eval_after.json'})")
     if wall_s is not None:
