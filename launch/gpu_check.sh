@@ -38,7 +38,7 @@
 #                  the failed tests run again with TORCH_COMPILE_DISABLE=1
 #   learner_bench  ~0.89B LLaMA, TP=1, bf16: step time, tokens/s, MFU, memory by component vs
 #                  docs/scaling.md (tools/gpu/gpu_bench.py learner)
-#   weights_bench  weights/buckets.py packing and checksums of GPU tensors (GB/s)
+#   weights_bench  weights/host_memory.py's bucket packing and checksums of GPU tensors (GB/s)
 #   weight_wire    bf16 GPU tensors to a CPU receiver process over both weight paths' sending ends:
 #                  a /dev/shm bucket (the shm carrier) and the gloo wire's communicator; byte-equal
 #   batch_prep     RLOO and PPO batch preparation on the GPU through megatron_async.algorithms

@@ -45,9 +45,9 @@ else:
     AlgorithmName = Literal[tuple(ALGORITHMS)]  # trainer.algorithm: the registry's names (checked on load)
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})  # a host only this machine reaches
 # rollout.weight_transport -> the vLLM weight-transfer engine the replicas run (weights/vllm_plugin.py
-# registers them): mas_cpu (host memory, weights/cpu_engine.py) unless the transport broadcasts
+# registers them): mas_cpu (host memory, weights/engines.py) unless the transport broadcasts
 HOST_MEMORY_ENGINE = "mas_cpu"
-BROADCAST_ENGINES = {"nccl": "mas_nccl", "gloo": "mas_gloo"}  # weights/broadcast_engine.py
+BROADCAST_ENGINES = {"nccl": "mas_nccl", "gloo": "mas_gloo"}  # weights/engines.py
 
 
 def weight_engine(transport: str) -> str:

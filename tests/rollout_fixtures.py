@@ -1,5 +1,6 @@
 """Shared helpers for the rollout / weight-sync tests: tiny checkpoints, a transformers reference,
-replica specs, one weight sync through the pool's update phases, and process-tree checks.
+replica specs, one weight sync through the pool's update phases, a broadcast wire that kills its
+replica inside a bucket, and process-tree checks.
 
 Every model here is a random tiny LLaMA (megatron_async.models.tiny) sharing one tokenizer, so any
 of them can be pushed into a replica started from another.
@@ -7,7 +8,9 @@ of them can be pushed into a replica started from another.
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -145,6 +148,44 @@ def gone(proc) -> bool:
         return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+class KillingWire:
+    """A broadcast wire (weights/broadcast.py's `Wire`) whose channels, once `arm`ed with a replica's
+    pid, SIGKILL that replica's process group right after they started broadcasting the
+    `at_bucket`-th bucket from then on: the replica dies inside that bucket. Fires once per `arm`."""
+
+    def __init__(self, wire):
+        self.wire, self.transport = wire, wire.transport
+        self.pid: int | None = None  # armed: the replica to kill
+        self.buckets_left = 0
+
+    def arm(self, pid: int, at_bucket: int) -> None:
+        self.pid, self.buckets_left = pid, at_bucket
+
+    def open(self, *args):
+        return KillingChannel(self.wire.open(*args), self)
+
+    def started_bucket(self) -> None:
+        if self.pid is None:
+            return
+        self.buckets_left -= 1
+        if self.buckets_left == 0:
+            os.killpg(self.pid, signal.SIGKILL)
+            self.pid = None
+
+
+class KillingChannel:
+    def __init__(self, channel, wire: KillingWire):
+        self.channel, self.wire = channel, wire
+
+    def send(self, tensors):
+        sent = self.channel.send(tensors)
+        self.wire.started_bucket()
+        return sent
+
+    def destroy(self):
+        self.channel.destroy()
 
 
 def wait_for(cond, timeout_s: float, what: str, every_s: float = 0.1) -> None:

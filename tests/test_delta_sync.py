@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from megatron_async.rollout.replica import ReplicaError
-from megatron_async.weights.buckets import unpack_bucket
+from megatron_async.weights.build import AUTO_FULL_EVERY, resolve_full_every
 from megatron_async.weights.delta import DELTA_SUFFIX, DeltaBaseError, DeltaDecoder, DeltaEncoder, decode_delta, encode_delta
-from megatron_async.weights.update import AUTO_FULL_EVERY, WeightUpdate, resolve_full_every
+from megatron_async.weights.host_memory import unpack_bucket
+from megatron_async.weights.update import WeightUpdate
 
 
 def version(seed: int, base: dict | None = None, fraction: float = 0.02) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
 """rollout.weight_transport=gloo: the broadcast sender (weights/broadcast.py, the code of the NCCL
 path) against real vLLM CPU replicas running vLLM's NCCL engine with a gloo communicator
-(`mas_gloo`, weights/broadcast_engine.py). What CI cannot run of the NCCL path is the CUDA
+(`mas_gloo`, weights/engines.py). What CI cannot run of the NCCL path is the CUDA
 communicator alone.
 
 A sync here is what learner rank 0 and the stage sender do, in one process (`WeightUpdate.local`):
@@ -11,19 +11,16 @@ shm tests). The tests share one 1-replica pool and push the next version after i
 """
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import pytest
 import torch
 
 from megatron_async.rollout import ReplicaPool, Sampling
-from megatron_async.weights.broadcast import BroadcastSender, GlooWire, make_wire
-from megatron_async.weights.sender import WeightSyncError
-from megatron_async.weights.update import WeightUpdate
+from megatron_async.weights.broadcast import BroadcastSender, make_wire
+from megatron_async.weights.update import WeightSyncError, WeightUpdate
 from tests.rollout_fixtures import (
-    LOGPROB_TOL, SMALL_BUCKET, max_logprob_diff, sparsely_changed, spec, state_dict, wait_for,
+    LOGPROB_TOL, SMALL_BUCKET, KillingWire, max_logprob_diff, sparsely_changed, spec, state_dict, wait_for,
 )
 
 pytestmark = pytest.mark.integration
@@ -112,37 +109,13 @@ def test_a_load_that_raises_mid_update_is_aborted_and_the_next_full_sync_takes(g
     check_serves(gloo_pool, tiny_models[1], version)
 
 
-class KillingWire(GlooWire):
-    """The gloo wire, whose channel SIGKILLs the replica's process group right after it started
-    broadcasting bucket `at_bucket`: the replica dies inside that bucket."""
-
-    def __init__(self, pid: int, at_bucket: int):
-        self.pid, self.at_bucket = pid, at_bucket
-
-    def open(self, *args):
-        return KillingChannel(super().open(*args), self)
-
-
-class KillingChannel:
-    def __init__(self, channel, wire: KillingWire):
-        self.channel, self.wire, self.buckets = channel, wire, 0
-
-    def send(self, tensors):
-        sent = self.channel.send(tensors)
-        self.buckets += 1
-        if self.buckets == self.wire.at_bucket:
-            os.killpg(self.wire.pid, signal.SIGKILL)
-        return sent
-
-    def destroy(self):
-        self.channel.destroy()
-
-
 def test_a_replica_killed_inside_a_bucket_is_dropped_restarted_and_served_again(gloo_pool, sender, tiny_models):
     weights = state_dict(tiny_models[2])
     pid = gloo_pool.pids()[0]
-    killing = BroadcastSender(gloo_pool.urls, gloo_pool.key, wire=KillingWire(pid, at_bucket=3), replica_tp=1,
-                              timeout_s=TIMEOUT_S, bucket_bytes=SMALL_BUCKET)
+    wire = KillingWire(make_wire("gloo"))
+    wire.arm(pid, at_bucket=3)
+    killing = BroadcastSender(gloo_pool.urls, gloo_pool.key, wire=wire, replica_tp=1, timeout_s=TIMEOUT_S,
+                              bucket_bytes=SMALL_BUCKET)
     try:
         t0 = time.monotonic()
         result, published = push(gloo_pool, killing, iter(weights.items()))

@@ -1,5 +1,5 @@
 """rollout.weight_transport=nccl: the broadcast sender (weights/broadcast.py) over vLLM's PyNccl
-communicator into a GPU replica running `mas_nccl` (vLLM's NCCL engine, weights/broadcast_engine.py).
+communicator into a GPU replica running `mas_nccl` (vLLM's NCCL engine, weights/engines.py).
 
 The fast test checks what each `/update_weights` call tells the replica's engine (it sizes its
 receive buffers from it). Everything else of this path but the CUDA communicator runs in CI over
@@ -97,9 +97,8 @@ def test_the_engine_holds_one_group_per_pipeline_stage_and_receives_each_bucket_
     """mas_gloo / mas_nccl's side of a PP learner (fakes for the groups and the model): groups keyed
     by stage side by side, a group formed again replaces only its stage's, a bucket is read from the
     group it names, and a bucket for a stage with no group is refused naming those formed."""
-    from megatron_async.weights.broadcast_engine import BroadcastInitInfo, BroadcastUpdateInfo, MasGlooEngine
-    from megatron_async.weights.engine_base import UpdateCoverage
     from megatron_async.weights.delta import DeltaDecoder
+    from megatron_async.weights.engines import BroadcastInitInfo, BroadcastUpdateInfo, MasGlooEngine, UpdateCoverage
 
     class Engine(MasGlooEngine):
         def join_group(self, init_info):

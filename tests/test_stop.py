@@ -1,5 +1,5 @@
 """Stopping a run (run/stop.py) in-process: the signal logic, the loop's stop at a step boundary
-(the fakes of tests/test_trainer_loop.py), and the /dev/shm sweep (weights/shm.py). No process
+(the fakes of tests/test_trainer_loop.py), and the /dev/shm sweep (weights/host_memory.py). No process
 starts; tests/test_stop_e2e.py sends the signals to real runs."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from megatron_async.run.stop import DUPLICATE_WINDOW_S, Stopped, StopSignals
-from megatron_async.weights import shm
-from megatron_async.weights.sender import WeightSyncError
+from megatron_async.weights import host_memory as shm
+from megatron_async.weights.update import WeightSyncError
 from tests.test_trainer_loop import make_trainer, no_files  # noqa: F401 (fixture)
 
 
@@ -167,16 +167,16 @@ def a_pid_that_does_not_run() -> int:
 def test_the_sweep_removes_only_our_segments_of_senders_that_are_gone(tmp_path):
     dead = a_pid_that_does_not_run()
     files = {name: tmp_path / name for name in (
-        f"{shm.PREFIX}{dead}-aa", f"{shm.PREFIX}{os.getpid()}-bb", f"{shm.PREFIX}{dead}-other-user",
-        f"other-{dead}-cc", f"{shm.PREFIX}notapid-dd")}
+        f"{shm.SHM_PREFIX}{dead}-aa", f"{shm.SHM_PREFIX}{os.getpid()}-bb", f"{shm.SHM_PREFIX}{dead}-other-user",
+        f"other-{dead}-cc", f"{shm.SHM_PREFIX}notapid-dd")}
     for path in files.values():
         path.write_bytes(b"x" * 1000)
     if os.getuid() == 0:
-        os.chown(files[f"{shm.PREFIX}{dead}-other-user"], 65534, 65534)
+        os.chown(files[f"{shm.SHM_PREFIX}{dead}-other-user"], 65534, 65534)
     else:
-        files.pop(f"{shm.PREFIX}{dead}-other-user").unlink()
+        files.pop(f"{shm.SHM_PREFIX}{dead}-other-user").unlink()
     assert shm.sweep_dead_segments(str(tmp_path)) == (1, 1000)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n in files if n != f"{shm.PREFIX}{dead}-aa")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n in files if n != f"{shm.SHM_PREFIX}{dead}-aa")
 
 
 def test_a_stop_at_once_unlinks_this_process_segments():

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron_async.run.stop import EXIT_INTERRUPTED, EXIT_REQUEUE
-from megatron_async.weights.shm import PREFIX, SHM_DIR
+from megatron_async.weights.host_memory import SHM_DIR, SHM_PREFIX
 from tests.e2e_utils import RLOO, assert_trained, coin_flip_data, metrics, train
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # each runs `megatron-async train`
@@ -35,8 +35,8 @@ def uninterrupted(tmp_path_factory):
 def leaked_segments() -> list[str]:
     """Weight-sync segments in /dev/shm whose sender no longer runs (the stopped run's would be
     among them; each run sweeps such leftovers of earlier ones at its start)."""
-    paths = glob.glob(f"{SHM_DIR}/{PREFIX}*")
-    return [p for p in paths if not Path(f"/proc/{p.removeprefix(f'{SHM_DIR}/{PREFIX}').split('-')[0]}").exists()]
+    paths = glob.glob(f"{SHM_DIR}/{SHM_PREFIX}*")
+    return [p for p in paths if not Path(f"/proc/{p.removeprefix(f'{SHM_DIR}/{SHM_PREFIX}').split('-')[0]}").exists()]
 
 
 @pytest.mark.parametrize("during, boundary", [("train:1", 2), ("sync:0", 1)], ids=["mid-step", "mid-sync"])

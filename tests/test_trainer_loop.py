@@ -19,7 +19,7 @@ from megatron_async.observability.tracking import NullTracker
 from megatron_async.rollout.producer import RolloutBatch
 from megatron_async.run import trainer as trainer_mod
 from megatron_async.run.trainer import Trainer
-from megatron_async.weights.sender import PushResult
+from megatron_async.weights.update import PushResult
 from tests.batches import scored_batch
 
 
@@ -106,15 +106,12 @@ class FakeRollout:
 class FakeLearner:
     def __init__(self, events: Events, skipped: bool = False):
         self.events, self.skipped, self.version = events, skipped, 0
-        self.policy = SimpleNamespace(model=None)  # read only by the HF export, replaced here
+        self.policy = SimpleNamespace(model=None)  # the HF export is replaced here; the push's stream is never iterated (FakeWeights)
 
     def step(self, batch, step, updates):
         self.events("train", step)
         self.version = step + 1
         return {"train/skipped": 1.0 if self.skipped else 0.0, "timing/train_s": 0.0}
-
-    def hf_weights(self):
-        return iter([])
 
 
 class FakeWeights:
@@ -232,7 +229,7 @@ def test_build_closes_what_it_built_when_a_later_part_fails(tmp_path, one_rank_g
     def no_sender(*a):
         raise ConnectionError("replica 0 refused the weight-transfer key")
 
-    monkeypatch.setattr(trainer_mod.WeightUpdate, "build", no_sender)
+    monkeypatch.setattr(trainer_mod, "build_weight_update", no_sender)
     with pytest.raises(ConnectionError, match="refused the weight-transfer key"):
         Trainer.build(config(tmp_path, "sft.steps=0"))
     assert closed == ["rollout", "tracker"]  # the reverse of the order they were built in

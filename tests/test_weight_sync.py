@@ -25,12 +25,11 @@ from safetensors.torch import load as st_load
 
 from megatron_async.rollout import ReplicaClient, ReplicaPool, Sampling
 from megatron_async.weights import host_memory as sync_mod
-from megatron_async.weights.buckets import (
-    SAMPLE_BYTES, SAMPLE_STRIDE, BucketChecksumError, checksum, group_by_cap, iter_buckets, pack_bucket, unpack_bucket,
+from megatron_async.weights.host_memory import (
+    SAMPLE_BYTES, SAMPLE_STRIDE, SHM_DIR, BucketChecksumError, HostMemorySender, ShmSegment, carrier_for, checksum,
+    iter_buckets, open_segment, pack_bucket, unpack_bucket,
 )
-from megatron_async.weights.shm import SHM_DIR, ShmSegment, open_segment
-from megatron_async.weights.host_memory import HostMemorySender, carrier_for
-from megatron_async.weights.update import WeightUpdate
+from megatron_async.weights.update import WeightUpdate, group_by_cap
 from tests.rollout_fixtures import (
     LOGPROB_TOL, SMALL_BUCKET, build_variants, max_logprob_diff, perturbed, resync, sparsely_changed, spec, state_dict,
     sync,
@@ -87,7 +86,7 @@ def test_bucket_roundtrip_and_checksum():
 
 
 def test_sampled_checksum_covers_header_length_and_sampled_pages_only():
-    """The sampled scope's guarantee, as weights/buckets.py states it: the length, the whole header
+    """The sampled scope's guarantee, as weights/host_memory.py states it: the length, the whole header
     and the sampled 4 KiB pages are checked, any other byte is not."""
     tensors = [(f"layer{i}.weight", torch.randn(256, 1024)) for i in range(4)]  # 4 MiB of data
     offset = 3 * SAMPLE_BYTES

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from megatron_async.weights.delta import STRIDE, WHOLE_TENSOR, DeltaEncoder
-from megatron_async.weights.sender import PushResult, WeightSyncError
-from megatron_async.weights.update import WeightUpdate
+from megatron_async.weights.update import PushResult, WeightSyncError, WeightUpdate
 
 URLS = ["http://127.0.0.1:9000", "http://127.0.0.1:9001"]
 

@@ -315,11 +315,11 @@ def learner_bench(args, out_dir: Path | None = None) -> dict:
 
 
 def weights_bench(args) -> dict:
-    """weights/buckets.py on GPU tensors: host packing (device -> host copy into the safetensors
+    """weights/host_memory.py's buckets on GPU tensors: host packing (device -> host copy into the safetensors
     layout, with its CRC32), CRC32 alone and unpacking, in GB/s."""
     import torch
 
-    from megatron_async.weights.buckets import checksum, pack_bucket, unpack_bucket
+    from megatron_async.weights.host_memory import checksum, pack_bucket, unpack_bucket
 
     dev = torch.device("cuda" if args.cuda else "cpu")
     sync = torch.cuda.synchronize if args.cuda else (lambda: None)
@@ -350,9 +350,9 @@ def weights_bench(args) -> dict:
 
 def weight_wire(args) -> dict:
     """The GPU side of both weight paths into a CPU receiver (tools/wire_receiver.py, a second
-    process): bf16 tensors on the GPU packed into a /dev/shm bucket (weights/buckets.py, the shm
-    carrier of weights/host_memory.py), and broadcast over the gloo wire's communicator
-    (weights/gloo.py: each CUDA tensor staged through host memory). The receiver hashes what it got;
+    process): bf16 tensors on the GPU packed into a /dev/shm bucket (weights/host_memory.py's bucket
+    and shm carrier), and broadcast over the gloo wire's communicator
+    (weights/broadcast.py's GlooCommunicator: each CUDA tensor staged through host memory). The receiver hashes what it got;
     both must equal the sender's tensors byte for byte. The gloo group here is torch's own (the
     wire's rendezvous is vLLM's stateless group, and the lent GPU has no vLLM)."""
     import hashlib
@@ -362,9 +362,8 @@ def weight_wire(args) -> dict:
     import torch.distributed as dist
 
     from megatron_async.rollout.launcher import free_port
-    from megatron_async.weights.buckets import pack_bucket
-    from megatron_async.weights.gloo import GlooCommunicator
-    from megatron_async.weights.shm import ShmSegment
+    from megatron_async.weights.broadcast import GlooCommunicator
+    from megatron_async.weights.host_memory import ShmSegment, pack_bucket
     from wire_receiver import received
 
     dev = torch.device("cuda" if args.cuda else "cpu")

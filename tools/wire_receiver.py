@@ -4,9 +4,9 @@ replica's engine does with one bucket, without vLLM (the lent GPU machine has no
     python tools/wire_receiver.py shm PATH SIZE CHECKSUM
     python tools/wire_receiver.py gloo PORT SPEC_JSON      # SPEC_JSON: [[name, dtype, shape], ...]
 
-`shm`: opens the sender's /dev/shm segment and unpacks the bucket (weights/buckets.py: the CRC32 is
+`shm`: opens the sender's /dev/shm segment and unpacks the bucket (weights/host_memory.py: the CRC32 is
 verified first). `gloo`: joins a 2-rank gloo group at 127.0.0.1:PORT as rank 1 and receives each
-tensor with weights/gloo.py's `GlooCommunicator.broadcast`, as the `mas_gloo` engine does. Either
+tensor with weights/broadcast.py's `GlooCommunicator.broadcast`, as the `mas_gloo` engine does. Either
 way it prints one line, `RECEIVED {name: sha256 of the received bytes}` (JSON).
 """
 from __future__ import annotations
@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from megatron_async.weights.buckets import unpack_bucket  # noqa: E402
-from megatron_async.weights.gloo import GlooCommunicator  # noqa: E402
-from megatron_async.weights.shm import open_segment  # noqa: E402
+from megatron_async.weights.broadcast import GlooCommunicator  # noqa: E402
+from megatron_async.weights.host_memory import open_segment, unpack_bucket  # noqa: E402
 
 
 MARK = "RECEIVED"

@@ -59,8 +59,7 @@ from megatron_async.models.tiny import build_tiny_llama, build_tokenizer, defaul
 from megatron_async.rollout import ReplicaPool, ReplicaSpec, Sampling
 from megatron_async.weights.broadcast import BroadcastSender, make_wire
 from megatron_async.weights.host_memory import HostMemorySender
-from megatron_async.weights.sender import WeightSender
-from megatron_async.weights.update import WeightUpdate
+from megatron_async.weights.update import WeightSender, WeightUpdate
 
 PROMPT_TOKENS = 16
 

@@ -5,7 +5,7 @@
 One vLLM engine in this process (single-process mode, the replicas' flags: fp32 by default,
 `--dtype bfloat16` to compare), built with our `mas_cpu` weight-transfer engine. The sender's
 side is done once up front: the model's state dict packed into shared-memory buckets
-(weights/buckets.py, the sizes `rollout.sync_bucket_mb` gives), so what is timed is only what a
+(weights/host_memory.py, the sizes `rollout.sync_bucket_mb` gives), so what is timed is only what a
 replica does for a sync: vLLM's worker phases start -> update (one call per bucket, then verify)
 -> finish, exactly as its `/start_weight_update`, `/update_weights`, `/finish_weight_update`
 routes call them, minus HTTP.
@@ -39,8 +39,7 @@ import torch
 
 from megatron_async.bench.rollout import prepare
 from megatron_async.io_utils import atomic_write_text
-from megatron_async.weights.buckets import iter_buckets
-from megatron_async.weights.shm import ShmSegment
+from megatron_async.weights.host_memory import ShmSegment, iter_buckets
 
 # NOTE: set when this module is imported (`bench` imports it for this subcommand only), before vLLM
 # is: the engine's worker runs in this process, so its model is reachable for the timers
@@ -96,15 +95,15 @@ def profile_in_worker(worker, full: list[dict], sampled: list[dict], syncs: int)
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
     from vllm.model_executor.model_loader.reload import layerwise
 
-    from megatron_async.weights import cpu_engine, vllm_plugin
+    from megatron_async.weights import engines, vllm_plugin
 
     engine = worker.weight_transfer_engine
     out = []
     with ExitStack() as stack:
         for owner, attr, phase in [
             (layerwise, "initialize_layerwise_reload", "start"),
-            (cpu_engine, "open_segment", "map"),
-            (cpu_engine, "unpack_bucket", "verify+view"),
+            (engines, "open_segment", "map"),
+            (engines, "unpack_bucket", "verify+view"),
             (type(engine.model), "load_weights", "load"),
             (vllm_plugin, "detach_buffered", "detach"),
             (layerwise, "materialize_layer", "load.materialize"),

@@ -21,7 +21,7 @@ Versions: every completion carries the range of policy versions its tokens were 
 weights of the pool's current version.
 
 Weight updates (`begin_update` / `finish_update`, called by learner rank 0 around the stage
-senders' buckets, weights/sender.py), in one of two modes:
+senders' buckets, weights/update.py), in one of two modes:
 - "between_batches" (the paper's; the default): wait for the running `generate` to return,
   hold new ones, `/pause?mode=wait` (caches cleared), `/start_weight_update` ... buckets ...
   `/finish_weight_update` (sets `weight_version`), `/resume`; no completion spans two versions.

@@ -212,7 +212,7 @@ class ReplicaClient:
 
     def verify_weight_update(self) -> None:
         """Our engines (mas_cpu, mas_nccl, mas_gloo): fail, closing the update, unless every parameter
-        was sent (weights/cpu_engine.py, weights/broadcast_engine.py)."""
+        was sent (weights/engines.py)."""
         self.update_weights({"verify": True})
 
     def finish_weight_update(self, version: int | None) -> None:

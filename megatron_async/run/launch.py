@@ -36,7 +36,7 @@ from megatron_async.run.preflight import preflight
 from megatron_async.run.checkpoint import CheckpointSaveError, latest_checkpoint
 from megatron_async.run.stop import EXIT_INTERRUPTED, EXIT_REQUEUE, STOP_SIGNALS, Stopped, StopSignals, stop_at_once
 from megatron_async.run.trainer import Trainer
-from megatron_async.weights.shm import sweep_dead_segments, unlink_live_segments
+from megatron_async.weights.host_memory import sweep_dead_segments, unlink_live_segments
 
 CHECKED_ENV = "MEGATRON_ASYNC_PREFLIGHT_DONE"  # set for the ranks this launcher relaunches
 

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,7 +23,7 @@ from megatron_async.algorithms.base import Microbatch, attach
 from megatron_async.algorithms.batching import Sample
 from megatron_async.config import Config, ConfigError, model_dtype
 from megatron_async.learner.schedule import LossFn, compute_logprobs, compute_values, recording, share_with_pipeline
-from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
+from megatron_async.learner.mapping import load_hf_weights
 from megatron_async.learner.model import LearnerModel, build_model, read_arch
 from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
 from megatron_async.learner.parallel import ParallelLayout
@@ -165,10 +165,6 @@ class LearnerState:
             attach(mbs, "old_logprobs", share_with_pipeline(trained_logprobs, mbs, self.layout.device))
             metrics.update({key: float(v) for key, v in algo.staleness(minibatches).items()})
         return {**metrics, **mean_metrics(policy_metrics, "train/"), **mean_metrics(value_metrics, "train_value/")}
-
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's policy weights under HF names and layouts (TP-gathered), for the weight push."""
-        return iter_hf_weights(self.policy.model)
 
 
 def check_value_model_source(cfg: Config, init_model: Path) -> None:

@@ -1,11 +1,13 @@
-"""The broadcast weight sender: vLLM's NCCL weight-transfer protocol, on NCCL (GPU) or gloo (any host).
+"""The broadcast transport: vLLM's NCCL weight-transfer protocol, on NCCL (GPU) or gloo (any host),
+written top to bottom as a bucket goes: the wires (`Wire`: `NcclWire`, `GlooWire` and the gloo group
+both ends of that wire use, `GlooCommunicator`), then the sender (`BroadcastSender`).
 
     sender = BroadcastSender(pool.urls, pool.key, wire=make_wire("gloo"), replica_tp=1, timeout_s=120, bucket_bytes=...)
     result = sender.push(iter_hf_weights(...), urls=opened)      # between begin_update and finish_update
 
 `rollout.weight_transport: nccl | gloo`. The replicas run vLLM's dense NCCL engine
 (vllm/distributed/weight_transfer/nccl_engine.py) as `mas_nccl`, or the same engine with a gloo
-communicator as `mas_gloo` (weights/broadcast_engine.py). Each learner pipeline stage has its own
+communicator as `mas_gloo` (weights/engines.py). Each learner pipeline stage has its own
 sender (its TP rank 0 of DP rank 0, weights/update.py), and each sender one group per replica:
 the sender is rank 0, the replica's workers ranks 1..W-1 (vLLM's `rank_offset` 1; W - 1 is the
 replica's TP x PP, asked of the server, `/get_world_size`, and refused unless it equals
@@ -31,8 +33,8 @@ loading, and no group is formed after the first sync. Argued from the protocol, 
 against the other (docs/replicas-and-weight-sync.md, "Pipeline-parallel learners").
 
 Only the communicator differs between the wires (`Wire`: NcclWire = vLLM's PyNccl, GlooWire =
-weights/gloo.py): group formation, the rank layout, the bucket protocol, re-forming, timeouts and
-failure handling are this module's code for both. CI runs it over gloo against real vLLM CPU
+`GlooCommunicator`): group formation, the rank layout, the bucket protocol, re-forming, timeouts
+and failure handling are this module's code for both. CI runs it over gloo against real vLLM CPU
 replicas; the CUDA communicator alone runs on GPUs only.
 
 Every wait is bounded by `timeout_s`:
@@ -54,6 +56,7 @@ each): sync time grows with replicas.
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterable, Protocol, Sequence
@@ -65,8 +68,7 @@ from megatron_async.config import LOOPBACK_HOSTS
 from megatron_async.rollout.launcher import free_port
 from megatron_async.rollout.replica import ReplicaClient
 from megatron_async.weights import vllm_plugin
-from megatron_async.weights.buckets import group_by_cap
-from megatron_async.weights.sender import PushResult, WeightSyncError
+from megatron_async.weights.update import PushResult, WeightSyncError, group_by_cap
 
 
 class Channel(Protocol):
@@ -120,14 +122,83 @@ class NcclChannel:
 
 
 class GlooWire:
-    """weights/gloo.py: vLLM's stateless gloo group (CPU tensors; CUDA ones staged through host memory)."""
+    """`GlooCommunicator`: vLLM's stateless gloo group (CPU tensors; CUDA ones staged through host memory)."""
 
     transport = "gloo"
 
-    def open(self, address: str, port: int, world_size: int, timeout_s: float):
-        from megatron_async.weights.gloo import GlooCommunicator  # imports vLLM: see _vllm_init_info
-
+    def open(self, address: str, port: int, world_size: int, timeout_s: float) -> "GlooCommunicator":
         return GlooCommunicator.join(address, port, 0, world_size, timeout_s)
+
+
+class GlooCommunicator:
+    """A gloo process group with the calls vLLM's NCCL weight-transfer engine makes on its PyNccl
+    communicator (`broadcast(tensor, src, stream)`, `destroy()`), plus the sender's non-blocking
+    end (`send`). Both ends of the gloo wire use it: this module's sender (rank 0) and the
+    replica's `mas_gloo` engine (weights/engines.py, ranks 1..W-1), so that the rest of the NCCL
+    path, ours and vLLM's, runs unchanged over TCP. The group is vLLM's own stateless one
+    (`vllm_plugin.stateless_gloo_group`: a TCP store rendezvous at the sender, no global
+    torch.distributed state), so it lives beside the learner's process groups. Gloo moves CPU
+    tensors: a CUDA tensor is staged through host memory on either end."""
+
+    def __init__(self, group: torch.distributed.ProcessGroup):
+        self.group = group
+        self._in_flight: list = []  # the sender's broadcasts not yet known complete
+
+    @classmethod
+    def join(cls, address: str, port: int, rank: int, world_size: int, timeout_s: float) -> "GlooCommunicator":
+        """Join (rank 0: host) the group's rendezvous at address:port; returns once all ranks joined.
+        Every blocking call of the group is bounded by `timeout_s`.
+
+        Rank 0 hosts the rendezvous's store on a socket it binds itself (vLLM's `listen_socket`):
+        without it, torch's tcp:// rendezvous under torchrun (TORCHELASTIC_USE_AGENT_STORE=True, as on
+        every learner rank) makes no rank the store's server, and the group never forms (found with a
+        PP=2 learner, tests/test_broadcast_pp.py)."""
+        # NOTE: vLLM is imported there, not at the top: the communicator itself needs only torch, and
+        # gpu_check's weight_wire phase runs it where vLLM is not installed (the lent GPU machine)
+        listen = socket.create_server((address, port)) if rank == 0 else None
+        return cls(vllm_plugin.stateless_gloo_group(address, port, rank, world_size, timeout_s, listen_socket=listen))
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream=None) -> None:
+        """PyNccl's blocking broadcast (`stream` is a CUDA stream there; gloo has none)."""
+        staged = tensor if tensor.device.type == "cpu" else torch.empty_like(tensor, device="cpu")
+        if staged is not tensor and self.group.rank() == src:
+            staged.copy_(tensor)
+        self.group.broadcast(staged, src).wait()
+        if staged is not tensor:
+            tensor.copy_(staged)
+
+    def send(self, tensors: Sequence[torch.Tensor]) -> Callable[[], bool]:
+        """Rank 0: start broadcasting `tensors` in order and return at once; the returned poll is
+        True once all were sent, and raises if the group failed (a peer closed it or timed out)."""
+        works = [self.group.broadcast(t.detach().to("cpu").contiguous(), 0) for t in tensors]
+        self._in_flight = works
+
+        def sent() -> bool:
+            if not all(w.is_completed() for w in works):
+                return False
+            for w in works:
+                w.wait()  # raises the failure of a completed-with-error broadcast
+            return True
+        return sent
+
+    def destroy(self) -> None:
+        """End the group without blocking. NOTE (torch 2.13): gloo's `abort()` does not interrupt a
+        send to a peer that stopped reading, and dropping the group then blocks until the group's
+        timeout (measured: 19 s of a 20 s timeout); a daemon thread waits that out instead."""
+        group, pending = self.group, [w for w in self._in_flight if not w.is_completed()]
+        self._in_flight = []
+        group.abort()
+        if not pending:
+            return
+
+        def release() -> None:  # holds the group until its broadcasts ended
+            for w in pending:
+                try:
+                    w.wait()
+                except RuntimeError:  # the peer closed it, or the group's timeout fired
+                    pass
+
+        threading.Thread(target=release, name="gloo-release", daemon=True).start()
 
 
 def make_wire(transport: str) -> Wire:
@@ -140,7 +211,7 @@ def make_wire(transport: str) -> Wire:
 def update_info(bucket: Sequence[tuple[str, torch.Tensor]], keep: bool = False, group: int = 0) -> dict:
     """vLLM's `NCCLWeightTransferUpdateInfo` of one bucket, as the JSON `/update_weights` takes;
     `keep`: the replica keeps what it loads, the base of the next delta (weights/delta.py);
-    `group`: the pipeline stage whose group carries the tensors (weights/broadcast_engine.py)."""
+    `group`: the pipeline stage whose group carries the tensors (weights/engines.py)."""
     return {"names": [name for name, _ in bucket],
             "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
             "shapes": [list(t.shape) for _, t in bucket], "keep": keep, "group": group}

@@ -1,9 +1,10 @@
-"""One weight update, end to end: `WeightUpdate.push`, called by every learner rank.
+"""One weight update, end to end: `WeightUpdate.push`, called by every learner rank, and the
+interface of the senders it drives (`WeightSender`, `PushResult`).
 
-    weights = WeightUpdate.build(cfg, layout, ctrl, pool, urls, key)   # once per run
-    result = weights.push(version, learner.hf_weights())             # each sync (or a re-sync of some replicas)
+    weights = build_weight_update(cfg, layout, ctrl, pool, urls, key)   # once per run (weights/build.py)
+    result = weights.push(version, iter_hf_weights(model))              # each sync (or a re-sync of some replicas)
 
-    weights = WeightUpdate.local(pool, sender)                                # one process: tests, tools, benchmarks
+    weights = WeightUpdate.local(pool, sender)                           # one process: tests, tools, benchmarks
 
 Phases (vLLM's weight-transfer API), and who runs them:
 1. rank 0 opens the update on each target replica (`ReplicaPool.begin_update`: pause,
@@ -13,9 +14,9 @@ Phases (vLLM's weight-transfer API), and who runs them:
    bf16 replicas half the bytes), compared with what the last push sent by one exact, bit-based
    comparison (weights/delta.py's `DeltaEncoder`), which gives both the changed count and, on a
    push the `DeltaSchedule` allows, the deltas. A sender only carries that stream into the opened
-   replicas (weights/sender.py's interface: the host-memory or the broadcast sender, chosen by
-   `rollout.weight_transport`, where auto is nccl for GPU replicas: config.weight_transport); the
-   stage's other ranks only take part in the TP gathers behind `named_tensors`;
+   replicas (`WeightSender`, below: weights/host_memory.py or weights/broadcast.py, chosen by
+   `rollout.weight_transport` in weights/build.py); the stage's other ranks only take part in the
+   TP gathers behind `named_tensors`;
 3. every rank reports the replicas its stage could not reach, and its changed count; rank 0
    publishes the version on those every stage reached (`ReplicaPool.finish_update`: verify,
    `/finish_weight_update`, resume) and closes the update without a version on the others; its
@@ -27,43 +28,39 @@ Phases (vLLM's weight-transfer API), and who runs them:
 
 `local` is the same update in one process, rank 0 and the only stage's sender at once (no process
 group), for tests, tools and benchmarks.
+
+The sender interface. A sender lives on the sender rank of one learner pipeline stage for the
+whole run. Each sync it carries the stream built here into the opened updates as buckets of
+`/update_weights` calls, grouped by `group_by_cap` (every sender buckets by the same rule); what
+changed, and whether a push is a delta, are `WeightUpdate`'s. Implementations
+(`rollout.weight_transport`):
+- `host_memory.HostMemorySender` (auto / shm / http): each bucket is a safetensors payload in a
+  shared-memory segment or inline in the request; the replicas run our `mas_cpu` engine;
+- `broadcast.BroadcastSender` (nccl / gloo): each bucket's tensors are broadcast on a process
+  group per replica while its `/update_weights` call receives them; the replicas run vLLM's NCCL
+  engine (`mas_nccl`) or the same engine with a gloo communicator (`mas_gloo`).
+Contract of `push`: it always drains `named_tensors` (the stage's other ranks take part in the TP
+gathers behind that iterator), bounds every wait by the sender's timeout, and reports a replica
+that failed in `PushResult.failed` instead of raising; it raises (`WeightSyncError`) only for what
+no retry can fix (a replica configured unlike the run); `keep` asks every replica to keep what it
+loads (the base of the next delta, weights/delta.py). `forget` drops what the sender keeps for a
+replica (its group, its checksum state), so that the next push forms it anew; `close` releases
+everything.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron_async.config import BROADCAST_TRANSPORTS, Config, replica_dtype, weight_transport
-from megatron_async.learner.parallel import ParallelLayout, from_rank0
+from megatron_async.learner.parallel import from_rank0
 from megatron_async.rollout.pool import ReplicaPool, UpdateMode
-from megatron_async.weights.broadcast import BroadcastSender, make_wire
 from megatron_async.weights.delta import DeltaEncoder, DeltaSchedule
-from megatron_async.weights.host_memory import HostMemorySender, carrier_for
-from megatron_async.weights.sender import PushResult, WeightSender, WeightSyncError
 
 log = logging.getLogger(__name__)
-
-AUTO_FULL_EVERY = 10  # rollout.sync_full_every: auto, where deltas pay
-
-
-def resolve_full_every(setting: int | str, transport: str, urls: Sequence[str], dtype: torch.dtype) -> tuple[int, str]:
-    """`rollout.sync_full_every` -> (the sender's `full_every`, why). auto: deltas (weights/delta.py)
-    only where the bytes are what a sync costs, a replica reached over http, and for a 2-byte
-    replica dtype (an fp32 Adam step changes most elements: its deltas go whole). Over shm and
-    gloo the replica's loading, not the bytes, sets the time, so a delta's encoding is a loss, and
-    nccl has no delta path (measured and explained in docs/replicas-and-weight-sync.md)."""
-    if setting != "auto":
-        return int(setting), "rollout.sync_full_every"
-    if transport in BROADCAST_TRANSPORTS:
-        return 0, f"auto: over {transport} a sync's time is the replica's loading, not the bytes"
-    http = [u for u in urls if carrier_for(transport, u) == "http"]
-    if http and dtype.itemsize == 2:
-        return AUTO_FULL_EVERY, f"auto: {dtype} replicas reached over http ({len(http)} of {len(urls)})"
-    return 0, f"auto: {'no replica is reached over http' if not http else f'{dtype} changes most elements per step'}"
 
 
 @dataclass
@@ -82,31 +79,6 @@ class WeightUpdate:
     def __post_init__(self) -> None:
         if self.sender is not None and self.encoder is None:
             self.encoder = DeltaEncoder(keep_whole=self.schedule is not None)
-
-    @classmethod
-    def build(cls, cfg: Config, layout: ParallelLayout, ctrl: dist.ProcessGroup, pool: ReplicaPool | None,
-              urls: list[str], key: str) -> "WeightUpdate":
-        r = cfg.rollout
-        send_dtype = getattr(torch, replica_dtype(cfg.model)[0])
-        sender: WeightSender | None = None
-        full_every = 0
-        if layout.tp_rank == 0 and layout.dp_rank == 0:
-            transport, chosen = weight_transport(cfg)  # the replicas' engine was started for the same choice
-            full_every, why = resolve_full_every(r.sync_full_every, transport, urls, send_dtype)
-            log.info("weight sync, stage %d: %s (%s), %s (%s)", layout.pp_rank, transport, chosen,
-                     f"deltas, a full sync every {full_every}" if full_every else "every sync full", why)
-            if full_every and transport == "nccl":
-                raise ValueError("delta sync over nccl is not built (vLLM's sparse_nccl backend is the path)")
-            if transport in BROADCAST_TRANSPORTS:  # one group per (stage, replica)
-                sender = BroadcastSender(urls, key, wire=make_wire(transport), replica_tp=r.replica_tp,
-                                         timeout_s=r.sync_timeout_s, bucket_bytes=r.sync_bucket_mb << 20,
-                                         address=r.rendezvous_address, base_port=r.rendezvous_port,
-                                         stage=layout.pp_rank)
-            else:
-                sender = HostMemorySender(urls, key, timeout_s=r.sync_timeout_s, bucket_bytes=r.sync_bucket_mb << 20,
-                                          transport=transport)
-        return cls(ctrl, urls, r.weight_update, r.sync_timeout_s, layout.pp_rank, pool, sender, send_dtype=send_dtype,
-                   schedule=DeltaSchedule(full_every) if full_every else None)
 
     @classmethod
     def local(cls, pool: ReplicaPool, sender: WeightSender, *, full_every: int = 0,
@@ -197,3 +169,70 @@ class WeightUpdate:
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
+
+
+# ----------------------------------------------------------------------------- the sender interface
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync cannot go on: a replica refused it or is configured unlike the run."""
+
+
+@dataclass
+class PushResult:
+    """One stage's push into the replicas' open weight update."""
+
+    bytes: int = 0  # one copy of this stage's payload
+    replicas: int = 0  # replicas that received every bucket
+    buckets: int = 0
+    seconds: float = 0.0  # wall, including producing the tensors (the TP gathers)
+    send_seconds: float = 0.0  # waiting for the replicas
+    failed: dict[str, str] = field(default_factory=dict)  # url -> why it was dropped from this push
+    carriers: list[str] = field(default_factory=list)  # how the bytes travelled: shm, http, nccl, gloo
+    delta: bool = False  # only the changed elements were sent (weights/delta.py)
+    changed_fraction: float | None = None  # rank 0: of every stage's weights, since the last push (weights/delta.py)
+    opened: list[int] = field(default_factory=list)  # the replicas that opened the update (phase 1)
+    published: list[int] = field(default_factory=list)  # rank 0: the replicas that now serve the version
+    stop: str | None = None  # why the run must stop (WeightUpdate.push(check=False)); None: go on
+
+    @property
+    def bytes_total(self) -> int:
+        return self.bytes * self.replicas
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_total / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class WeightSender(Protocol):
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], urls: Sequence[str] | None = None,
+             keep: bool = False) -> PushResult:
+        """Carry the tensors into the open update of every replica in `urls` (None: all)."""
+
+    def forget(self, urls: Iterable[str]) -> None:
+        """Drop what is kept for these replicas (they restarted or failed): re-formed at their next push."""
+
+    def close(self) -> None:
+        """Release every connection, group and buffer."""
+
+
+def group_by_cap(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], cap_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group a lazy stream of (name, tensor) into lists of at most `cap_bytes` tensor bytes.
+
+    A tensor larger than the cap forms a group of its own. Empty groups are never yielded.
+    """
+    if cap_bytes <= 0:
+        raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
+    group: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if group and size + nbytes > cap_bytes:
+            yield group
+            group, size = [], 0
+        group.append((name, tensor))
+        size += nbytes
+    if group:
+        yield group

@@ -1,8 +1,8 @@
 """Our one adapter to vLLM: the plugin that registers our weight-transfer engines, and every touch
 of vLLM's internals that our weight sync needs, checked against the vLLM they were written for.
 
-- `mas_cpu` (weights/cpu_engine.py): host-memory buckets (shm or inline), CPU and GPU replicas;
-- `mas_nccl`, `mas_gloo` (weights/broadcast_engine.py): vLLM's NCCL engine, on NCCL or on gloo.
+- `mas_cpu` (weights/engines.py): host-memory buckets (shm or inline), CPU and GPU replicas;
+- `mas_nccl`, `mas_gloo` (weights/engines.py): vLLM's NCCL engine, on NCCL or on gloo.
   The engine names are config.py's (`weight_engine`: the replicas' engine for a transport).
 
 vLLM runs every plugin of the entry-point group `vllm.general_plugins` (declared in setup.py) in
@@ -28,9 +28,9 @@ import torch
 
 VLLM_SERIES = (0, 32)  # the vLLM release series every internal below was read from (setup.py pins 0.32.0)
 # rollout.weight_transport -> the engine's class (its name: config.weight_engine; "auto": host memory)
-ENGINE_CLASSES = {"auto": ("megatron_async.weights.cpu_engine", "CpuWeightTransferEngine"),
-                  "nccl": ("megatron_async.weights.broadcast_engine", "MasNcclEngine"),
-                  "gloo": ("megatron_async.weights.broadcast_engine", "MasGlooEngine")}
+ENGINE_CLASSES = {"auto": ("megatron_async.weights.engines", "CpuWeightTransferEngine"),
+                  "nccl": ("megatron_async.weights.engines", "MasNcclEngine"),
+                  "gloo": ("megatron_async.weights.engines", "MasGlooEngine")}
 
 
 class VllmVersionError(RuntimeError):

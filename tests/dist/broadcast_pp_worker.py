@@ -4,7 +4,7 @@ a real vLLM CPU replica (`mas_gloo`), through the trainer's own `WeightUpdate`.
     python -m torch.distributed.run --nproc-per-node N tests/dist/broadcast_pp_worker.py OUT BASE MODEL TP PP
 
 Rank 0 starts a one-replica pool serving BASE. The learner (TP x PP on N ranks) is built from
-MODEL, and `WeightUpdate.build` gives each stage's sender rank a `BroadcastSender` of its own
+MODEL, and `build_weight_update` gives each stage's sender rank a `BroadcastSender` of its own
 stage (rollout.weight_transport=gloo): each stage streams its tensors over its own group into the
 replica's one update session. Rounds, each a `WeightUpdate.push` on every rank:
   full      version 1: MODEL's weights as the learner loaded them;
@@ -54,8 +54,8 @@ def main():
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
     from megatron_async.learner.parallel import destroy_parallel, init_parallel
     from megatron_async.rollout import ReplicaPool, Sampling
-    from megatron_async.weights.sender import WeightSyncError
-    from megatron_async.weights.update import WeightUpdate
+    from megatron_async.weights.build import build_weight_update
+    from megatron_async.weights.update import WeightSyncError
     from tests.rollout_fixtures import max_logprob_diff, spec
 
     layout = init_parallel(a.tp, a.pp)
@@ -73,7 +73,7 @@ def main():
         model = build_model(a.model)
         load_hf_weights(model, a.model)
         ddp, opt, sched = build_optimizer(model, OptimSettings(lr=1e-2, clip_grad=1.0))
-        weights = WeightUpdate.build(cfg, layout, ctrl, pool, urls, key)
+        weights = build_weight_update(cfg, layout, ctrl, pool, urls, key)
         count = sum(1 for _ in iter_hf_weights(ddp))  # the stream's length on this stage's sender
         vocab = model.arch.vocab_size
         g = torch.Generator().manual_seed(0)
