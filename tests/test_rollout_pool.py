@@ -69,8 +69,13 @@ def test_server_command_keeps_the_key_off_the_command_line():
     assert cmd[cmd.index("--middleware") + 1] == "megatron_async.rollout.auth.RequireKey"
     assert '"mas_cpu"' in cmd[cmd.index("--weight-transfer-config") + 1] and cmd[-2:] == ["--max-num-seqs", "8"]
     assert "--gpu-memory-utilization" not in cmd and "--api-key" not in cmd
-    env = server_env(s, "secret")
-    assert env == {"VLLM_API_KEY": "secret", "VLLM_SERVER_DEV_MODE": "1", "X": "1"}
+    env = server_env(s, "secret", gpu=False)
+    assert env == {"VLLM_API_KEY": "secret", "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "X": "1"}
+    # the one-process engine core: CPU and one worker only; a replica's own env wins
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server_env(s, "secret", gpu=True)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server_env(ReplicaSpec(model="/m", tensor_parallel_size=2), "k", gpu=False)
+    assert server_env(ReplicaSpec(model="/m", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}), "k", gpu=False)[
+        "VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
     assert not any("secret" in a for a in cmd)
     gpu = server_command(ReplicaSpec(model="/m"), "127.0.0.1", 8011, gpu=True)
     assert "--enforce-eager" not in gpu and "--no-enable-prefix-caching" not in gpu and "--gpu-memory-utilization" in gpu

@@ -65,8 +65,9 @@ def serve_replica(cfg: Config, index: int) -> int:
         print("megatron-async serve-replica: " + "; ".join(problems), file=sys.stderr)
         return 2
     spec = replica_spec(cfg, Path(prepare_base_model(cfg)).resolve())
-    env = {**replica_environment(os.environ), **server_env(spec, r.token)}  # not the learner's tuning (gpu_env.sh)
+    gpu = torch.cuda.is_available()
+    env = {**replica_environment(os.environ), **server_env(spec, r.token, gpu)}  # not the learner's tuning (gpu_env.sh)
     if devices := replica_devices(cfg):
         env["CUDA_VISIBLE_DEVICES"] = devices[index]
-    cmd = server_command(spec, r.host, r.base_port + index, gpu=torch.cuda.is_available())
+    cmd = server_command(spec, r.host, r.base_port + index, gpu)
     os.execvpe(cmd[0], cmd, env)

@@ -90,7 +90,7 @@ class LocalLauncher:
     def environment(self, rid: int) -> dict[str, str]:
         """Replica `rid`'s environment: this process's (`replica_environment`), the pool's `env`,
         the server's own (key, dev mode), its GPUs."""
-        env = {**replica_environment(os.environ), **self.env, **server_env(self.spec, self.key)}
+        env = {**replica_environment(os.environ), **self.env, **server_env(self.spec, self.key, self.gpu)}
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.devices[rid]
         return env
