@@ -102,12 +102,11 @@ def server_env(spec: ReplicaSpec, key: str, gpu: bool) -> dict[str, str]:
 
     A CPU replica with one worker runs that worker inside vLLM's engine-core process
     (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: the engine core then takes the one-process executor)
-    instead of a third spawned process that imports vLLM again: start-up 39.7 -> 18.6 s for a tiny
-    model on 2 cores (docs/measurements.md#ci), the same generation speed. vLLM's CPU platform
-    forces its multiprocess executor only for the offline engine's sake: there the worker would
-    share the user's process, started without the LD_PRELOAD of torch's libgomp and tcmalloc that
-    vLLM sets; a server's engine core is itself spawned with it. GPU replicas already work this way
-    (the executor vLLM picks for one GPU), and TP > 1 keeps its worker processes."""
+    instead of a third spawned process that imports vLLM again: a tiny model's start-up 27 -> 20 s
+    on 2 cores at the same generation speed (docs/measurements.md#ci). GPU replicas already run
+    this way (the executor vLLM picks for one GPU); TP > 1 keeps its worker processes. vLLM's CPU
+    platform otherwise picks its multiprocess executor so that OpenMP starts in a process of its
+    own; the engine core of a server is such a process."""
     one_process = {} if gpu or spec.tensor_parallel_size > 1 else {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     return {"VLLM_API_KEY": key, "VLLM_SERVER_DEV_MODE": "1", **one_process, **spec.env}
 
