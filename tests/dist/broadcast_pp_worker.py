@@ -1,35 +1,52 @@
-"""Worker for tests/test_broadcast_pp.py: a pipeline-parallel megatron learner -> the gloo wire ->
-a real vLLM CPU replica (`mas_gloo`), through the trainer's own `WeightUpdate`.
+"""Worker for tests/test_broadcast_pp.py: a TP x PP megatron learner -> the gloo wire -> a real vLLM
+CPU replica (`mas_gloo`), through the trainer's own `WeightUpdate` (`build_weight_update`).
 
     python -m torch.distributed.run --nproc-per-node N tests/dist/broadcast_pp_worker.py OUT BASE MODEL TP PP
 
-Rank 0 starts a one-replica pool serving BASE. The learner (TP x PP on N ranks) is built from
-MODEL, and `build_weight_update` gives each stage's sender rank a `BroadcastSender` of its own
-stage (rollout.weight_transport=gloo): each stage streams its tensors over its own group into the
-replica's one update session. Rounds, each a `WeightUpdate.push` on every rank:
-  full      version 1: MODEL's weights as the learner loaded them;
-  stepped   version 2: after one Adam step (the weights really change);
-  raising   version 3: the last stage's stream carries one tensor of a wrong shape halfway (the
-            replica's load_weights raises inside that stage's bucket): the update must publish
-            nowhere and stop with WeightSyncError on every rank (one replica, up and refusing);
-  resynced  version 3 again, to the replica the failure left behind (`replica_ids`: its groups
-            formed anew), with the good weights.
+Rank 0 starts a one-replica pool serving BASE, once: the rounds that kill the replica leave its
+restart to the pool. The learner (TP x PP on N ranks) is built from MODEL, and
+`build_weight_update` gives each stage's sender rank a `BroadcastSender` of its own stage
+(rollout.weight_transport=gloo): each stage streams its tensors over its own group into the
+replica's one update session. The last stage's sender carries its wire in a `KillingWire`, armed
+in round `killed` only. Rounds, each one or two `WeightUpdate.push` on every rank:
+  full       v1: MODEL's weights as the learner loaded them;
+  stepped    v2: after one Adam step (the weights really change);
+  raising    v3: the last stage's stream carries one tensor of a wrong shape halfway (the replica's
+             load_weights raises inside that stage's bucket): the update must publish nowhere and
+             stop with WeightSyncError on every rank (one replica, up and refusing); then v3 again
+             to the replica the failure left behind (`replica_ids`: its groups formed anew);
+  killed     v4: the last stage's sender SIGKILLs the replica's process group right after it
+             started broadcasting its KILL_AT-th bucket: the push publishes nowhere, raises nowhere
+             (the replica is down, not refusing) and ends within the sender's timeout; once the pool
+             restarted the replica, v4 again to it (`replica_ids`);
+  restarted  v5: rank 0 SIGKILLs the replica between pushes (the senders still hold its groups);
+             once the pool restarted it, the regular push of v5 opens nowhere (a replica back from
+             a failure is left out of a full update), and the re-sync the trainer's wait makes
+             next (`replica_ids`) forms its groups anew and publishes.
 After each round rank 0 samples from vLLM and every rank computes the learner's logprobs of the
-sampled tokens (but after `raising`: rank 0 records which replicas need weights). Rank 0 writes
-OUT/rounds.json: per round the records' versions, vLLM vs learner max |diff|, vLLM vs
-transformers on MODEL (round `full` only), and the error of a push that raised.
+sampled tokens (`sample_and_compare`). Rank 0 writes OUT/rounds.json: per push its round, version,
+error (a WeightSyncError's), the replicas it opened on and published on, its seconds, and per
+stage sender the buckets it streamed and the replicas it dropped; per round the records'
+versions, vLLM vs learner max |diff|, and vLLM vs transformers on MODEL (round `full` only).
 """
 import argparse
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from tests.dist.sync_parity_worker import PROMPT_LEN, microbatch, nll  # the same rows and loss
+from tests.dist.sync_parity_worker import NEW_TOKENS, PROMPT_LEN, microbatch, nll, sample_and_compare
 
-NEW_TOKENS, N = 10, 2
 BAD_AT = 0.5  # the raising round's wrong tensor: this far into the last stage's stream
+KILL_AT = 3  # the killed round: the last stage's bucket inside which the replica dies
+SYNC_TIMEOUT_S = 30  # rollout.sync_timeout_s: a raising load costs the sender this long (see the docs)
+# the senders' bucket cap: rollout.sync_bucket_mb counts whole MiB, and a stage of the tiny model is
+# ~1.6 MB (2 of its 4 layers): at this cap each stage streams 6-7 buckets
+BUCKET_BYTES = 256 << 10
 
 
 def with_a_bad_tensor(named, count: int):
@@ -48,72 +65,110 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(1)
     from megatron_async.config import load_config
-    from megatron_async.learner.schedule import compute_logprobs
     from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
     from megatron_async.learner.model import build_model
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
-    from megatron_async.learner.parallel import destroy_parallel, init_parallel
-    from megatron_async.rollout import ReplicaPool, Sampling
+    from megatron_async.learner.parallel import destroy_parallel, from_rank0, init_parallel
+    from megatron_async.rollout import ReplicaPool
     from megatron_async.weights.build import build_weight_update
     from megatron_async.weights.update import WeightSyncError
-    from tests.rollout_fixtures import max_logprob_diff, spec
+    from tests.rollout_fixtures import KillingWire, max_logprob_diff, spec, wait_for
 
     layout = init_parallel(a.tp, a.pp)
     ctrl = dist.new_group(backend="gloo")
-    cfg = load_config(None, ["rollout.weight_transport=gloo", "model.dtype=float32", "rollout.sync_bucket_mb=1",
-                             "rollout.sync_timeout_s=60", f"parallel.tp={a.tp}", f"parallel.pp={a.pp}"])
+    cfg = load_config(None, ["rollout.weight_transport=gloo", "model.dtype=float32", f"rollout.sync_timeout_s={SYNC_TIMEOUT_S}",
+                             f"parallel.tp={a.tp}", f"parallel.pp={a.pp}"])
     pool = None
     try:
         if layout.rank == 0:
             pool = ReplicaPool(spec(a.base, weight_backend="mas_gloo"), 1, log_dir=a.out / "logs",
                                request_timeout_s=120, start_timeout_s=300).start()
-        where = [(pool.urls, pool.key) if pool else None]
-        dist.broadcast_object_list(where, src=0)
-        urls, key = where[0]
+        urls, key = from_rank0((pool.urls, pool.key) if pool is not None else None, ctrl)
         model = build_model(a.model)
         load_hf_weights(model, a.model)
         ddp, opt, sched = build_optimizer(model, OptimSettings(lr=1e-2, clip_grad=1.0))
         weights = build_weight_update(cfg, layout, ctrl, pool, urls, key)
+        last_sender = layout.is_last_stage and weights.sender is not None
+        if weights.sender is not None:
+            weights.sender.bucket_bytes = BUCKET_BYTES
+        if last_sender:
+            weights.sender.wire = killing = KillingWire(weights.sender.wire)
         count = sum(1 for _ in iter_hf_weights(ddp))  # the stream's length on this stage's sender
         vocab = model.arch.vocab_size
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(3, vocab, (4, PROMPT_LEN), generator=g).tolist()
-        rows = []
-        for rnd, version, replica_ids in (("full", 1, None), ("stepped", 2, None), ("raising", 3, None),
-                                          ("resynced", 3, [0])):
-            if rnd == "stepped":
-                batch = torch.randint(3, vocab, (4, PROMPT_LEN + NEW_TOKENS), generator=g).tolist()
-                train_step(ddp, opt, sched, [microbatch(batch)], nll)
+        pushes, rounds = [], []
+
+        def push(rnd: str, version: int, replica_ids=None, bad: bool = False) -> None:
             named = iter_hf_weights(ddp)
-            if rnd == "raising" and layout.is_last_stage and weights.sender is not None:
+            if bad and last_sender:
                 named = with_a_bad_tensor(named, count)
-            error = None
+            error, t0 = None, time.monotonic()
             try:
-                weights.push(version, named, replica_ids)
+                result = weights.push(version, named, replica_ids)
             except WeightSyncError as e:
-                error = str(e)
-            if rnd == "raising":  # the replica is left out of dispatch until it is synced again
-                if layout.rank == 0:
-                    rows.append({"round": rnd, "version": version, "error": error,
-                                 "needing_weights": [r.replica_id for r in pool.replicas_needing_weights(wait_s=0)]})
-                continue
-            payload = [None]
+                error, result = str(e), None
+            seconds = time.monotonic() - t0
+            sent = None if weights.sender is None or result is None else \
+                {"stage": layout.pp_rank, "buckets": result.buckets, "failed": sorted(result.failed)}
+            senders = [None] * dist.get_world_size()
+            dist.all_gather_object(senders, sent, group=ctrl)
+            if layout.rank == 0:  # one line per push: where the time went, in a failing run's tail too
+                print(f"{time.strftime('%H:%M:%S')} push {rnd} v{version} to {replica_ids or 'all'}: {seconds:.1f} s, "
+                      f"{error or 'no error'}", flush=True)
+                pushes.append({"round": rnd, "version": version, "error": error, "seconds": seconds,
+                               "opened": None if result is None else result.opened,
+                               "published": None if result is None else result.published,
+                               "senders": sorted((s for s in senders if s is not None), key=lambda s: s["stage"])})
+
+        def restarted(pid: int) -> None:
+            """Rank 0: wait until the pool restarted the replica `pid` was and it needs weights (the
+            pool's health check, which `replicas_needing_weights` runs, finds a replica dead)."""
+            if pool is not None:
+                wait_for(lambda: pool.replicas_needing_weights(wait_s=0) and pool.pids()[0] not in (None, pid),
+                         timeout_s=300, what="the killed replica restarted", every_s=0.5)
+
+        def sample(rnd: str, version: int) -> None:
+            sampled = sample_and_compare(ddp, pool, prompts, seed=version)
             if layout.rank == 0:
-                records = pool.generate(prompts, Sampling(n=N, max_tokens=NEW_TOKENS, ignore_eos=True, seed=version))
-                payload = [[(list(r.prompt_token_ids) + list(r.token_ids), list(r.logprobs), r.policy_version)
-                            for r in records]]
-                hf_diff = max_logprob_diff(a.model, records) if rnd == "full" else None
-            dist.broadcast_object_list(payload, src=0)
-            seqs = [s for s, _, _ in payload[0]]
-            vllm_lp = torch.tensor([lp for _, lp, _ in payload[0]])
-            learner_lp = compute_logprobs(ddp, [microbatch(seqs)])[0][:, PROMPT_LEN:]
-            if layout.rank == 0:
-                rows.append({"round": rnd, "version": version, "error": error,
-                             "record_versions": sorted({v for _, _, v in payload[0]}),
-                             "learner_diff": (learner_lp - vllm_lp).abs().max().item(), "hf_diff": hf_diff})
+                rounds.append({"round": rnd, "version": version, "record_versions": sampled.versions,
+                               "learner_diff": sampled.learner_diff,
+                               "hf_diff": max_logprob_diff(a.model, sampled.records) if rnd == "full" else None,
+                               "needing_weights": [r.replica_id for r in pool.replicas_needing_weights(wait_s=0)]})
+
+        push("full", 1)
+        sample("full", 1)
+
+        batch = torch.randint(3, vocab, (4, PROMPT_LEN + NEW_TOKENS), generator=g).tolist()
+        train_step(ddp, opt, sched, [microbatch(batch)], nll)
+        push("stepped", 2)
+        sample("stepped", 2)
+
+        push("raising", 3, bad=True)
+        if layout.rank == 0:  # left out of dispatch until it is synced again
+            pushes[-1]["needing_weights"] = [r.replica_id for r in pool.replicas_needing_weights(wait_s=0)]
+        push("raising", 3, [0])
+        sample("raising", 3)
+
+        pid = from_rank0(pool.pids()[0] if pool is not None else None, ctrl)
+        if last_sender:
+            killing.arm(pid, KILL_AT)
+        push("killed", 4)
+        restarted(pid)
+        push("killed", 4, [0])
+        sample("killed", 4)
+
+        pid = from_rank0(pool.pids()[0] if pool is not None else None, ctrl)
+        if pool is not None:
+            os.killpg(pid, signal.SIGKILL)
+            restarted(pid)
+        push("restarted", 5)
+        push("restarted", 5, [0])
+        sample("restarted", 5)
+
         weights.close()
         if layout.rank == 0:
-            (a.out / "rounds.json").write_text(json.dumps(rows, indent=1))
+            (a.out / "rounds.json").write_text(json.dumps({"pushes": pushes, "rounds": rounds}, indent=1))
     finally:
         if pool is not None:
             pool.stop()

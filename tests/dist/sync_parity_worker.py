@@ -18,6 +18,7 @@ pair (model.dtype: bfloat16); default: fp32 both.
 import argparse
 import json
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,6 +42,37 @@ def microbatch(sequences: list[list[int]]) -> dict:
     return {"input_ids": ids, "loss_mask": mask}
 
 
+@dataclass
+class Sampled:
+    """One sample from the replicas, compared with the learner: rank 0's records (None elsewhere);
+    on every rank the sampled sequences, vLLM's logprobs of their new tokens, the versions they were
+    sampled under, and the learner's max |diff| from vLLM on those tokens."""
+
+    records: list | None
+    seqs: list[list[int]]
+    vllm_lp: torch.Tensor
+    versions: list[int]
+    learner_diff: float
+
+
+def sample_and_compare(ddp, pool, prompts: list[list[int]], seed: int) -> Sampled:
+    """Every rank: rank 0 samples N completions of NEW_TOKENS per prompt from `pool` (None
+    elsewhere) and broadcasts them; every rank computes the learner's logprobs of the same tokens."""
+    from megatron_async.learner.schedule import compute_logprobs
+    from megatron_async.rollout import Sampling
+
+    payload, records = [None], None
+    if dist.get_rank() == 0:
+        records = pool.generate(prompts, Sampling(n=N, max_tokens=NEW_TOKENS, ignore_eos=True, seed=seed))
+        payload = [[(list(r.prompt_token_ids) + list(r.token_ids), list(r.logprobs), r.policy_version) for r in records]]
+    dist.broadcast_object_list(payload, src=0)
+    seqs = [s for s, _, _ in payload[0]]
+    vllm_lp = torch.tensor([lp for _, lp, _ in payload[0]])
+    learner_lp = compute_logprobs(ddp, [microbatch(seqs)])[0][:, PROMPT_LEN:]
+    return Sampled(records, seqs, vllm_lp, sorted({v for _, _, v in payload[0]}),
+                   (learner_lp - vllm_lp).abs().max().item())
+
+
 def recording_dtypes(named, seen: set):
     """`named` (name, tensor) pairs passed through, each tensor's dtype added to `seen`."""
     for name, tensor in named:
@@ -56,7 +88,6 @@ def run_layout(model_dir: Path, tp: int, pp: int, pool, urls, key, first_version
     from megatron_async.learner.model import build_model
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
     from megatron_async.learner.parallel import init_parallel
-    from megatron_async.rollout import Sampling
     from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
     from megatron_async.weights.host_memory import HostMemorySender
 
@@ -87,25 +118,20 @@ def run_layout(model_dir: Path, tp: int, pp: int, pool, urls, key, first_version
                 pass
         failed = [None] * dist.get_world_size()
         dist.all_gather_object(failed, sorted(sync.failed if sync is not None else {}))
-        payload, published = [None], [0]
+        published = [0]
         if dist.get_rank() == 0:
             complete = opened[0] if not any(failed) else []
             published = [len(pool.finish_update(version, complete, [i for i in opened[0] if i not in complete]))]
-            records = pool.generate(prompts, Sampling(n=N, max_tokens=NEW_TOKENS, ignore_eos=True, seed=rnd))
-            payload = [[(list(r.prompt_token_ids) + list(r.token_ids), list(r.logprobs), r.policy_version) for r in records]]
-        dist.broadcast_object_list(payload, src=0)
         dist.broadcast_object_list(published, src=0)
-        seqs = [s for s, _, _ in payload[0]]
-        vllm_lp = torch.tensor([lp for _, lp, _ in payload[0]])
-        learner_lp = compute_logprobs(ddp, [microbatch(seqs)])[0][:, PROMPT_LEN:]
+        sampled = sample_and_compare(ddp, pool, prompts, seed=rnd)
         moved = None
         if prev is not None:  # the step changed the policy: previous tokens' logprobs moved
-            moved = (compute_logprobs(ddp, [microbatch(prev[0])])[0][:, PROMPT_LEN:] - prev[1]).abs().max().item()
-        prev = (seqs, vllm_lp)
+            moved = (compute_logprobs(ddp, [microbatch(prev.seqs)])[0][:, PROMPT_LEN:] - prev.vllm_lp).abs().max().item()
+        prev = sampled
         rows.append({
             "model": model_dir.name, "tp": tp, "pp": pp, "round": rnd, "version": version,
-            "record_versions": sorted({v for _, _, v in payload[0]}), "records": len(seqs),
-            "max_diff": (learner_lp - vllm_lp).abs().max().item(), "moved": moved,
+            "record_versions": sampled.versions, "records": len(sampled.seqs),
+            "max_diff": sampled.learner_diff, "moved": moved,
             "published": published[0], "buckets": None if sync is None else sync.buckets, "transport": TRANSPORTS[rnd],
             "pushed_dtypes": sorted(pushed_dtypes) if source else None,
         })
