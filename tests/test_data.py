@@ -309,3 +309,17 @@ def test_synthetic_solutions_are_mostly_direct_and_open_by_their_style():
     assert all(p.solution == f"The answer is {p.answer}.\n#### {p.answer}" for p in direct)
     assert all(re.match(r"\d+ [-+*/] \d+ = ", p.solution) for p in worked)
     assert abs(len(direct) / len(problems) - DIRECT_FRACTION) < 0.03
+
+
+def test_the_synthetic_held_out_set_is_the_same_for_every_run_seed(bos_tokenizer):
+    """A seed varies the training problems, not the exam: runs with different run.seed are scored on
+    one held-out set (data/prompts.py SYNTHETIC_TEST_SEED)."""
+    from megatron_async.config import load_config
+    from megatron_async.data import load_prompts
+
+    def questions(seed: int, split: str) -> list[str]:
+        prompts, _ = load_prompts(load_config(None, [f"run.seed={seed}"]), bos_tokenizer, "synthetic", split, 50)
+        return [p.problem.question for p in prompts]
+
+    assert questions(1, "test") == questions(2, "test") == questions(1234, "test")
+    assert questions(1, "train") != questions(2, "train")

@@ -232,11 +232,19 @@ def tokenize_prompts(
     return out, dropped
 
 
+# The synthetic held-out ("test") set is drawn with this seed whatever run.seed is, so that runs with
+# different seeds are scored on the same problems (a seed varies the training, not the exam). 1234 is
+# the main job's run.seed: its held-out set, the one every earlier run of it was scored on.
+SYNTHETIC_TEST_SEED = 1234
+
+
 def load_prompts(cfg: Config, tokenizer, source: str, split: str, size: int) -> tuple[list[TokenizedPrompt], int]:
     """The run's prompts from `source` (data.train / data.eval) under the config's keys and template:
-    the first `size` problems (0 = all; the synthetic set is then 1000), tokenized -> (prompts, dropped)."""
+    the first `size` problems (0 = all; the synthetic set is then 1000), tokenized -> (prompts, dropped).
+    Synthetic training problems are drawn with run.seed, the held-out ones with SYNTHETIC_TEST_SEED."""
     d = cfg.data
-    problems = load_problems(source, split, synthetic_size=size or 1000, seed=cfg.run.seed,
+    seed = SYNTHETIC_TEST_SEED if split == "test" else cfg.run.seed
+    problems = load_problems(source, split, synthetic_size=size or 1000, seed=seed,
                              question_key=d.question_key, answer_key=d.answer_key)
     if size:
         problems = problems[:size]
