@@ -45,15 +45,16 @@ def coin_flip_data(out_dir) -> list[str]:
     return [f"data.train={path}", f"data.eval={path}", "sft.steps=60", "rollout.max_new_tokens=8"]
 
 
-def train(out_dir, *overrides, resume=False, env=None, check=True) -> subprocess.CompletedProcess:
-    """Run `megatron-async train` in its own session; afterwards kill whatever it left behind.
+def train(out_dir, *overrides, resume=False, env=None, check=True, small=True) -> subprocess.CompletedProcess:
+    """Run `megatron-async train` on configs/cpu_tiny.yaml with `SMALL` (`small=False`: the main job's
+    config as shipped) and `overrides`, in its own session; afterwards kill whatever it left behind.
 
     NOTE: a learner killed with SIGKILL (fault tests) leaves multiprocessing helpers of
     dist_checkpointing orphaned, holding inherited pipes: output goes to files, not pipes, and the
     session's process group is killed once the learner has exited.
     """
     cmd = [sys.executable, "-m", "megatron_async", "train", str(REPO / "configs" / "cpu_tiny.yaml"),
-           *SMALL, f"run.out_dir={out_dir}", *overrides] + (["--resume"] if resume else [])
+           *(SMALL if small else []), f"run.out_dir={out_dir}", *overrides] + (["--resume"] if resume else [])
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, start_new_session=True,
