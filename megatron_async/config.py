@@ -359,7 +359,7 @@ class TrainerConfig:
 @dataclass
 class SFTConfig:
     steps: int = opt(0, "supervised warm-up steps on the train split before RL (0 = none)")
-    lr: float = opt(1e-3, "SFT learning rate (constant)")
+    lr: float = opt(1e-3, "SFT peak learning rate (warm-up over min(20, steps // 10) steps, then cosine decay to lr / 10)")
     batch_size: int = opt(32, "SFT sequences per optimizer step")
 
 
