@@ -2,9 +2,11 @@
 
     python tests/dist/learner_steps_worker.py ALGORITHM RUN_DIR [OVERRIDE ...]
 
-One rank (gloo), the main job's tiny model and config (`configs/cpu_tiny.yaml`, seed 1234) with
+One rank (gloo), the main job's config (`configs/cpu_tiny.yaml`, seed 1234) with
 `trainer.algorithm=ALGORITHM`, 16 prompts x K=4 per step (`bench.learner.synthetic_batch`, seeds
-0, 1, 2). test_learner_regression.py compares the losses with values recorded before a change to
+0, 1, 2). The model has the main job's shape, but its tokenizer is trained on the fixed
+`models/tiny.default_corpus`, not on the main job's SFT data: the vocabulary (and so the embedding's
+size and the batches' token ids) must not move when the data recipe does. test_learner_regression.py compares the losses with values recorded before a change to
 the learner's step (behaviour unchanged to float tolerance). OVERRIDEs (`key=value`) change
 settings that must not change the numbers, e.g. `trainer.logits_chunk_mb`.
 """
@@ -17,7 +19,8 @@ import torch
 from megatron_async.bench.learner import PROMPT_TOKENS, synthetic_batch
 from megatron_async.config import load_config
 from megatron_async.learner.parallel import init_parallel
-from megatron_async.models.base_model import load_tokenizer, prepare_base_model
+from megatron_async.models.base_model import load_tokenizer, tiny_spec
+from megatron_async.models.tiny import build_tiny_llama, build_tokenizer, default_corpus
 from megatron_async.run.learner_state import LearnerState
 
 KEYS = ("train/loss", "train/grad_norm", "kl/ref", "staleness/kl_k3_mean", "staleness/iw_max")
@@ -29,7 +32,9 @@ if __name__ == "__main__":
                       [f"run.out_dir={run_dir}", f"trainer.algorithm={algorithm}", "rollout.prompts_per_step=16",
                        "rollout.k=4", "trainer.micro_batch_size=8", "trainer.steps=3", *sys.argv[3:]])
     layout = init_parallel(1, 1, seed=cfg.run.seed)
-    model_dir = prepare_base_model(cfg)
+    model_dir = run_dir / "base_model"
+    build_tiny_llama(model_dir, build_tokenizer(default_corpus(), model_dir, vocab_size=1024), tiny_spec(cfg.model),
+                     seed=cfg.run.seed)
     tokenizer = load_tokenizer(model_dir)
     learner = LearnerState.build(cfg, model_dir, layout, tokenizer.pad_token_id)
     steps = []
