@@ -184,19 +184,23 @@ class GlooCommunicator:
     def destroy(self) -> None:
         """End the group without blocking. NOTE (torch 2.13): gloo's `abort()` does not interrupt a
         send to a peer that stopped reading, and dropping the group then blocks until the group's
-        timeout (measured: 19 s of a 20 s timeout); a daemon thread waits that out instead."""
+        timeout (measured: 19 s of a 20 s timeout); a daemon thread holds the group and waits that
+        out instead. It must hold the group itself, not only its works: when the sender dropped
+        this communicator, the group went with it, and the sender blocked for the whole timeout
+        (a replica whose load raised was reported after rollout.sync_timeout_s, not at once)."""
         group, pending = self.group, [w for w in self._in_flight if not w.is_completed()]
         self._in_flight = []
         group.abort()
         if not pending:
             return
 
-        def release() -> None:  # holds the group until its broadcasts ended
+        def release(group: torch.distributed.ProcessGroup = group) -> None:  # holds it until its broadcasts ended
             for w in pending:
                 try:
                     w.wait()
                 except RuntimeError:  # the peer closed it, or the group's timeout fired
                     pass
+            del group  # the group's last reference: dropped in this thread
 
         threading.Thread(target=release, name="gloo-release", daemon=True).start()
 
