@@ -11,7 +11,10 @@
 #   bash launch/test.sh -m "integration and not slow"   component tests that start processes:
 #       vLLM replicas, torchrun / megatron workers, an MLflow server, the reward-model worker, the CLI
 #   bash launch/test.sh -m slow                         whole `megatron-async train` jobs (minutes each)
-#   bash launch/test.sh                                 everything (74 min on a 2-core AMD EPYC; CI runs this)
+#   bash launch/test.sh                                 all but `recipe` (CI runs this; docs/measurements.md#ci)
+#   bash launch/test.sh -m recipe                       the main job's shipped recipe end to end (~10 min):
+#       left out of every run that names no -m (pytest.ini's addopts); run it before a change to
+#       the main job's data, SFT, config or Online DPO lands
 # Tests marked `gpu` skip themselves without CUDA; run them with `bash launch/gpu_check.sh`.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -8,6 +8,8 @@ Tiers:
                workers (tests/dist), an `mlflow server`, the reward-model worker, the CLI as a
                subprocess. `slow` marks the longest of them (whole training runs); conftest adds
                `integration` to every `slow` test.
+  recipe       the main job's shipped recipe end to end (~10 min, slow too): left out of every run
+               that names no `-m`, CI's included (pytest.ini's addopts); `-m recipe` runs it.
 
 How a test is marked: a module that is wholly integration says `pytestmark = pytest.mark.integration`;
 a mixed module marks its tests one by one. Modules edited by others (MARKED_HERE) are marked by
