@@ -134,7 +134,7 @@ def test_dp2_learner_splits_each_batch(tmp_path):
         assert m["train/rows_this_dp_rank"][step] == 8 * 4 / 2
 
 
-@pytest.mark.recipe  # 561 s of CI's 52 min (2026-12-05): run before a change to the recipe lands
+@pytest.mark.recipe  # not in CI: pytest.ini's addopts
 def test_main_job_recipe_raises_the_reward(tmp_path):
     """The CPU main job as shipped (configs/cpu_tiny.yaml: its model, SFT, Online DPO settings and
     seed), stopped after its first 20 RL steps: the sampled exact-match reward must rise. The job's

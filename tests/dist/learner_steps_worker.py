@@ -5,9 +5,10 @@
 One rank (gloo), the main job's config (`configs/cpu_tiny.yaml`, seed 1234) with
 `trainer.algorithm=ALGORITHM`, 16 prompts x K=4 per step (`bench.learner.synthetic_batch`, seeds
 0, 1, 2). The model has the main job's shape, but its tokenizer is trained on the fixed
-`models/tiny.default_corpus`, not on the main job's SFT data: the vocabulary (and so the embedding's
-size and the batches' token ids) must not move when the data recipe does. test_learner_regression.py compares the losses with values recorded before a change to
-the learner's step (behaviour unchanged to float tolerance). OVERRIDEs (`key=value`) change
+`models/tiny.default_corpus`, not on the main job's SFT data: the vocabulary (and so the
+embedding's size and the batches' token ids) must not move when the data recipe does.
+test_learner_regression.py compares the losses with values recorded before a change to the
+learner's step (behaviour unchanged to float tolerance). OVERRIDEs (`key=value`) change
 settings that must not change the numbers, e.g. `trainer.logits_chunk_mb`.
 """
 import json
