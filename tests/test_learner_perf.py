@@ -99,6 +99,32 @@ def test_auto_replica_dtype_is_bf16_on_gpu_and_amx_cpus_fp32_elsewhere_and_for_t
     assert replica_dtype(checkpoint) == ("bfloat16", "auto: a CUDA device")
 
 
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no_amx"])
+def test_auto_dtype_on_a_faked_cpu_reaches_the_learner_the_replicas_and_the_sync_alike(amx, monkeypatch, tmp_path):
+    """What `model.dtype: auto` decides downstream, with the CPU's flags faked (CI has no AMX; a user's
+    Xeon does), so that a pick that differs by CPU shows on every machine: the learner's dtype, the
+    replicas' vLLM `--dtype`, the dtype the weights are sent in, and the delta schedule that follows
+    from it over http (deltas pay for 2-byte replicas only)."""
+    import torch
+
+    from megatron_async import config
+    from megatron_async.config import model_dtype
+    from megatron_async.rollout.build import replica_spec
+    from megatron_async.weights.build import AUTO_FULL_EVERY, resolve_full_every
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(config, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16", *(["amx_bf16"] if amx else [])})
+    cfg = load_config(None, [f"model.hf_path={tmp_path}"])  # a checkpoint of the user's, not the built-in tiny model
+    want = "bfloat16" if amx else "float32"
+    assert model_dtype(cfg.model) == (want, "auto: this CPU has amx_bf16" if amx else "auto: a CPU without amx_bf16")
+    assert replica_spec(cfg, tmp_path).dtype == want
+    full_every, _ = resolve_full_every("auto", "http", ["http://10.0.0.2:8000"], getattr(torch, want))
+    assert full_every == (AUTO_FULL_EVERY if amx else 0)
+    for stated in ("float32", "bfloat16"):  # a stated precision is the same on every CPU
+        fixed = load_config(None, [f"model.hf_path={tmp_path}", f"model.dtype={stated}"])
+        assert model_dtype(fixed.model)[0] == replica_spec(fixed, tmp_path).dtype == stated
+
+
 def test_cpu_transformer_config_is_unchanged(tiny_ckpts):
     """The flags the CPU learner ran with before the perf keys existed."""
     from megatron_async.learner.model import read_arch, transformer_config

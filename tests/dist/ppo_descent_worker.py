@@ -10,7 +10,8 @@ vLLM reports them at version 0). Then a run checkpoint is saved, loaded into a f
 learner, and both take one more step (two passes, so Adam state and LR schedule count). Rank 0
 writes every step's metrics, each completion's summed logprob under the policy before and after
 the 6 steps, the metrics of the continued and the resumed 7th step, and the three models' parameter
-dtypes (`model.dtype` decides them). The batch stays the one version 0 generated, so from the second
+dtypes (`model.dtype` decides them: float32 unless an override says otherwise, never `auto`, whose
+pick depends on the CPU). The batch stays the one version 0 generated, so from the second
 step on it is off-policy data for the learner.
 """
 import argparse
@@ -40,7 +41,7 @@ if __name__ == "__main__":
 
     # gamma = lam = 1: the returns are the rewards-to-go, fixed targets for the value model
     cfg = load_config(None, [f"run.out_dir={Path(a.out).parent}", f"run.name=tp{a.tp}pp{a.pp}",
-                             f"model.hf_path={a.model_dir}", f"parallel.tp={a.tp}", f"parallel.pp={a.pp}",
+                             f"model.hf_path={a.model_dir}", "model.dtype=float32", f"parallel.tp={a.tp}", f"parallel.pp={a.pp}",
                              "trainer.algorithm=ppo", "rollout.k=2", "trainer.lr=1e-3", "trainer.value_lr=3e-3",
                              "trainer.warmup_steps=0", "trainer.lr_decay=constant", "trainer.gamma=1.0",
                              "trainer.lam=1.0", "trainer.updates_per_batch=2", "trainer.micro_batch_size=3",

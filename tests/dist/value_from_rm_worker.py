@@ -4,8 +4,9 @@
 
 The trainer's own `build_learner` (trainer.algorithm=ppo, reward.kind=reward_model), then the value
 model's values through `compute_values` (the learner's pipeline schedule) next to transformers'
-`LlamaForSequenceClassification` scores of the same token ids. `values[:, t]` is the value of the
-prefix before token t, so each sequence gets one extra token at the end and the RM scores the rest.
+`LlamaForSequenceClassification` scores of the same token ids, both in float32 (stated: `auto` would
+pick bf16 on a CPU with AMX). `values[:, t]` is the value of the prefix before token t, so each
+sequence gets one extra token at the end and the RM scores the rest.
 Writes {"values": [...], "rm_scores": [...]}.
 """
 import json
@@ -24,7 +25,7 @@ if __name__ == "__main__":
     from megatron_async.learner.parallel import destroy_parallel, init_parallel
     from megatron_async.run.learner_state import LearnerState
 
-    cfg = load_config(None, [f"model.hf_path={policy_dir}", "trainer.algorithm=ppo", "reward.kind=reward_model",
+    cfg = load_config(None, [f"model.hf_path={policy_dir}", "model.dtype=float32", "trainer.algorithm=ppo", "reward.kind=reward_model",
                              f"reward.model_path={rm_dir}"])
     layout = init_parallel(1, 1, seed=0)
     try:
