@@ -110,7 +110,7 @@ class SyncPlan:
     dtype: str  # the replicas', which the tensors are sent in
     transport: str
     bucket_mb: int
-    learner: dict[str, int]  # tp, pp, dp, nodes
+    learner: dict[str, int]  # tp, pp, dp, nodes (running learner ranks), job_nodes
     replicas: dict[str, int]  # count, tp, node
     links: Links
     stages: list[StagePlan] = field(default_factory=list)
@@ -142,7 +142,8 @@ class SyncPlan:
         lines = [
             f"{self.model}: {self.parameters / 1e9:.2f}B parameters, sent in {self.dtype}: "
             f"{self.bytes / 1e9:.2f} GB to each replica",
-            f"learner TP={ln['tp']} x PP={ln['pp']} x DP={ln['dp']} on {ln['nodes']} node(s); {r['count']} replica(s) "
+            f"learner TP={ln['tp']} x PP={ln['pp']} x DP={ln['dp']} on {ln['nodes']} of {ln['job_nodes']} node(s); "
+            f"{r['count']} replica(s) "
             f"of TP={r['tp']} on node {r['node']}; {self.transport}, buffers of {self.bucket_mb} MiB",
             f"computed with NVLink {links.nvlink_gb_per_s:g} GB/s, InfiniBand {links.infiniband_gb_per_s:g} GB/s, "
             f"{links.call_overhead_s * 1e3:g} ms per call",
@@ -196,7 +197,8 @@ def plan_sync(cfg: Config, links: Links) -> SyncPlan:
     stages = stage_tensors(hf_config, par.tp, par.pp)
     plan = SyncPlan(model=cfg.model.hf_path, parameters=sum(t.numel() for _, ts in stages for _, t in ts), dtype=dtype,
                     transport=transport, bucket_mb=r.sync_bucket_mb,
-                    learner={"tp": par.tp, "pp": par.pp, "dp": dp, "nodes": sum(1 for lay in layouts if lay.learner)},
+                    learner={"tp": par.tp, "pp": par.pp, "dp": dp, "nodes": sum(1 for lay in layouts if lay.learner),
+                             "job_nodes": p.nnodes},
                     replicas={"count": len(replicas), "tp": r.replica_tp, "node": p.replica_node}, links=links)
     for stage, ((layers, tensors), (sender_rank, sender_node)) in enumerate(zip(stages, senders)):
         sent = [(name, t.to(getattr(torch, dtype))) for name, t in tensors]  # as weights/update.py casts them
@@ -205,9 +207,10 @@ def plan_sync(cfg: Config, links: Links) -> SyncPlan:
         if transport in BROADCAST_TRANSPORTS:  # one group per replica node: the replicas all are on p.replica_node
             link = "nvlink" if sender_node == p.replica_node else "infiniband"
             groups = [Group(p.replica_node, replicas, 1 + len(replicas) * r.replica_tp, link)]
-            seconds = (sum(links.seconds(nbytes, g.link) for g in groups) + links.call_overhead_s
+            calls = 1  # the stage's whole manifest
+            seconds = (sum(links.seconds(nbytes, g.link) for g in groups) + calls * links.call_overhead_s
                        if transport == "nccl" else None)
-            plan.stages.append(StagePlan(stage, layers, sender_rank, sender_node, len(sent), nbytes, buffers, 1,
+            plan.stages.append(StagePlan(stage, layers, sender_rank, sender_node, len(sent), nbytes, buffers, calls,
                                          groups, transport, seconds))
         else:
             carrier = carrier_for(transport, f"http://{r.host}")
@@ -217,15 +220,19 @@ def plan_sync(cfg: Config, links: Links) -> SyncPlan:
 
 
 def _hf_config(cfg: Config) -> dict:
-    """model.hf_path's config.json, as a run reads it (the tiny model has none before its run built it)."""
+    """model.hf_path's config.json, as a run reads it (the tiny model has none before its run built
+    it), of a model that splits at parallel.tp x parallel.pp."""
     if cfg.model.hf_path == "tiny":
         raise ConfigError("key 'model.hf_path' = 'tiny': plan-sync reads an HF config.json; the tiny model is built "
                           "by its run (<run dir>/base_model): pass that folder")
     try:
         hf_config = read_hf_config(cfg.model.hf_path)
-        read_arch(hf_config)  # a model the learner builds
+        arch = read_arch(hf_config)  # a model the learner builds
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise ConfigError(f"key 'model.hf_path' = {cfg.model.hf_path!r}: {e}") from None
+    if problems := arch.split_problems(cfg.parallel.tp, cfg.parallel.pp):  # as run/preflight.py words it
+        axis, why = problems[0]
+        raise ConfigError(f"key 'parallel.{axis}' = {getattr(cfg.parallel, axis)}: {why} in {cfg.model.hf_path}/config.json")
     return hf_config
 
 
@@ -238,11 +245,8 @@ def stage_tensors(hf_config: dict, tp: int, pp: int) -> list[tuple[range, list[t
     from megatron_async.learner.model import build_model
 
     arch = read_arch(hf_config)
-    try:
-        split = transformer_config(arch, tp, pp, perf=resolve(None, Backend(cuda=False, te=False), tp=tp, dp=1,
-                                                              tied_embeddings=arch.tie_word_embeddings))
-    except ValueError as e:  # TP or PP does not divide the model
-        raise ConfigError(f"key 'parallel' (tp={tp}, pp={pp}): {e}") from None
+    split = transformer_config(arch, tp, pp, perf=resolve(None, Backend(cuda=False, te=False), tp=tp, dp=1,
+                                                          tied_embeddings=arch.tie_word_embeddings))
     cpu = resolve(None, Backend(cuda=False, te=False), tp=1, dp=1, tied_embeddings=arch.tie_word_embeddings)
     with _one_rank_learner(), torch.device("meta"):
         whole = list(iter_hf_weights(build_model(hf_config, perf=cpu)))
