@@ -44,12 +44,15 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state  # megatron-core at the top: only plan-sync imports this module
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_async.cluster.placement import check_fit, check_static, weight_senders
 from megatron_async.config import (BROADCAST_TRANSPORTS, Config, ConfigError, load_config, replica_dtype,
                                    weight_transport)
 from megatron_async.learner.mapping import EMBED, iter_hf_weights
-from megatron_async.learner.model import read_arch, read_hf_config, transformer_config
+from megatron_async.learner.model import build_model, read_arch, read_hf_config, transformer_config
 from megatron_async.learner.perf import Backend, resolve
 from megatron_async.weights.host_memory import carrier_for
 from megatron_async.weights.update import group_by_cap
@@ -239,11 +242,6 @@ def _hf_config(cfg: Config) -> dict:
 def stage_tensors(hf_config: dict, tp: int, pp: int) -> list[tuple[range, list[tuple[str, torch.Tensor]]]]:
     """Each pipeline stage's decoder layers and the HF tensors its sender yields, in order, as meta
     tensors (shapes and dtypes only), for a learner at TP x PP (module docstring)."""
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    from megatron_async.learner.model import build_model
-
     arch = read_arch(hf_config)
     split = transformer_config(arch, tp, pp, perf=resolve(None, Backend(cuda=False, te=False), tp=tp, dp=1,
                                                           tied_embeddings=arch.tie_word_embeddings))
@@ -271,8 +269,6 @@ def _on_stage(name: str, layers: range, first: bool, last: bool) -> bool:
 def _one_rank_learner() -> Iterator[None]:
     """megatron's parallel state of one rank (TP = PP = 1) in this process, on a store without a
     port: what `build_model` and `iter_hf_weights` need. What was set up before is kept."""
-    from megatron.core import parallel_state
-
     own_group = not dist.is_initialized()
     if own_group:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -289,7 +285,12 @@ def _one_rank_learner() -> Iterator[None]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-async plan-sync", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="megatron-async plan-sync", epilog="example: megatron-async plan-sync configs/gpu_rho1b_gsm8k.yaml "
+        "placement.gpus_per_node=8 model.hf_path=DIR --json",
+        description="One weight sync of a GPU layout, computed from the model's config.json (no weights read): per "
+                    "pipeline stage the bytes, buffers, /update_weights calls per replica, groups, links crossed and "
+                    "seconds from the link bandwidths and per-call overhead below (docs/scaling.md).")
     p.add_argument("config", help="YAML run config (see configs/)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. placement.gpus_per_node=8")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
