@@ -60,7 +60,7 @@ from megatron_async.weights.update import group_by_cap
 # The flags' defaults (docs/scaling.md, "Planning a sync", says where each comes from).
 NVLINK_GB_PER_S = 450.0
 INFINIBAND_GB_PER_S = 50.0
-CALL_OVERHEAD_MS = 6.0
+CALL_OVERHEAD_MS = 3.0
 # per replica and push, besides /update_weights: ReplicaPool.begin_update and finish_update (rollout/pool.py)
 PHASE_CALLS = ("pause", "start_weight_update", "verify_weight_update", "finish_weight_update", "resume")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
