@@ -139,6 +139,7 @@ def test_json_has_bytes_calls_and_seconds_per_stage_and_in_total(tmp_path, capsy
     (["model.hf_path=/nonexistent"], "model.hf_path"),
     (["rollout.num_replicas=9"], "rollout.num_replicas"),  # 9 replicas do not fit 8 GPUs
     (["--ib-gbps", "0"], "--ib-gbps"),
+    (["placement.nnodes=2", "parallel.pp=2"], "key 'rollout.host'"),  # stage 1's sender on node 1, replicas on loopback
 ])
 def test_a_bad_config_is_refused_with_one_line(tmp_path, capsys, overrides, names):
     hf = tiny_dir(tmp_path / "m")
