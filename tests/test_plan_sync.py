@@ -8,9 +8,11 @@ import re
 from pathlib import Path
 
 import pytest
+from megatron.core import parallel_state
 
 from megatron_async import cli
 from megatron_async.config import load_config
+from megatron_async.learner.model import build_model, unwrap_model
 from megatron_async.weights.plan import PHASE_CALLS, Links, SyncPlan, plan_sync
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,8 +44,6 @@ def recipe_layout(script: str) -> list[str]:
 @pytest.fixture(scope="module")
 def megatron_one_rank(one_rank_group):
     """megatron's parallel state of one rank (TP = PP = 1) in this process, for a real model."""
-    from megatron.core import parallel_state
-
     parallel_state.initialize_model_parallel(1, 1)
     yield
     parallel_state.destroy_model_parallel()
@@ -55,8 +55,6 @@ def test_each_stage_sends_its_parameters_bytes(megatron_one_rank, tmp_path, tied
     """A stage's bytes are those of the parameters its megatron stage holds (layers split evenly,
     the embedding on the first, the final norm and an untied head on the last), in the replicas'
     bf16; a real model's parameters, built here, are the reference."""
-    from megatron_async.learner.model import build_model, unwrap_model
-
     hf = tiny_dir(tmp_path / "m", tie_word_embeddings=tied)
     model = unwrap_model(build_model(str(hf)).chunks[0])  # real CPU tensors, TP = PP = 1
     numel = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
