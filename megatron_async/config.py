@@ -66,7 +66,7 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key and the value."""
 
 
-def model_dtype(model: "ModelConfig") -> tuple[str, str]:
+def model_dtype(model: "ModelConfig", cuda: bool | None = None) -> tuple[str, str]:
     """The model's dtype for `model.dtype` -> (dtype, why), the learner's and the replicas' (vLLM)
     alike: the learner trains in it (bf16: bf16 parameters with fp32 main weights, grads and Adam
     state, megatron's mixed-precision optimizer; learner/optimizer.py) and sends its weights in it.
@@ -84,10 +84,12 @@ def model_dtype(model: "ModelConfig") -> tuple[str, str]:
       2026-12-03: 115 and 115 tokens/s for 32 sequences x 192 tokens, 140 against 172 for 64 x 64),
       and the learner's step was 1.6x slower on one such CPU, ~1.25x faster on another (docs/
       performance.md, "bf16 learner on CPU"): not enough to change the default. All figures:
-      docs/real-models.md, "bf16 on CPU"."""
+      docs/real-models.md, "bf16 on CPU".
+    `cuda`: decide for a machine with (True) or without (False) a CUDA device instead of this one
+    (`plan-sync` plans a GPU run from anywhere)."""
     if model.dtype != "auto":
         return model.dtype, "model.dtype"
-    if torch.cuda.device_count() > 0:
+    if (torch.cuda.device_count() > 0) if cuda is None else cuda:
         return "bfloat16", "auto: a CUDA device"
     if model.hf_path == "tiny":
         return "float32", "auto: the built-in tiny model"
@@ -99,13 +101,14 @@ def model_dtype(model: "ModelConfig") -> tuple[str, str]:
 replica_dtype = model_dtype  # the name rollout/, weights/ and run/ call it by, for the replicas
 
 
-def weight_transport(cfg: "Config") -> tuple[str, str]:
+def weight_transport(cfg: "Config", cuda: bool | None = None) -> tuple[str, str]:
     """`rollout.weight_transport` -> (the transport, why); "auto" stays "auto" where it means host
     memory (shm or http per replica, weights/host_memory.carrier_for). The learner's senders
     (weights/update.py) and the replicas' engine (rollout/build.py) ask it alike. auto picks nccl
     for GPU replicas: on a CUDA machine (torch.cuda.device_count(), as the dtype's auto) the replicas this
     run starts get GPUs (cluster/placement.py). NOTE: nccl's GPU communicator (vLLM's PyNccl) has
-    not yet run on a GPU in this project; everything else of its path runs in CI over gloo."""
+    not yet run on a GPU in this project; everything else of its path runs in CI over gloo.
+    `cuda`: as `model_dtype`'s."""
     r = cfg.rollout
     if r.weight_transport != "auto":
         return r.weight_transport, "rollout.weight_transport"
@@ -113,7 +116,7 @@ def weight_transport(cfg: "Config") -> tuple[str, str]:
         return "auto", "auto: servers started elsewhere (rollout.replica_urls) run an engine this run did not choose"
     if r.sync_full_every not in ("auto", 0):
         return "auto", f"auto: delta sync (rollout.sync_full_every={r.sync_full_every}) is built for host memory"
-    if torch.cuda.device_count() > 0:
+    if (torch.cuda.device_count() > 0) if cuda is None else cuda:
         return "nccl", "auto: GPU replicas (a CUDA machine); nccl's GPU communicator has not yet run on a GPU"
     return "auto", "auto: CPU replicas"
 

@@ -140,16 +140,22 @@ def check_fit(cfg: Config, gpus_on_node: int, world_size: int | None) -> list[No
             f"key 'placement.learner_gpus' = {p.learner_gpus!r}: {total} learner GPUs in all is not a multiple of "
             f"parallel.tp x parallel.pp = {par.tp * par.pp}")
     if cfg.rollout.host in LOOPBACK_HOSTS:
-        node_of_rank = [n for n, count in enumerate(ranks) for _ in range(count)]  # ranks fill node 0 first
-        for stage in range(par.pp):
-            sender = stage * (total // par.pp)  # megatron order tp-cp-ep-dp-pp: pp varies slowest
-            if node_of_rank[sender] != p.replica_node:
+        for stage, (sender, node) in enumerate(weight_senders(cfg, layouts)):
+            if node != p.replica_node:
                 raise ConfigError(
                     f"key 'rollout.host' = {cfg.rollout.host!r}: the weight-sync sender of pipeline stage {stage} "
-                    f"(rank {sender}) is on node {node_of_rank[sender]}, but loopback replicas on node {p.replica_node} "
+                    f"(rank {sender}) is on node {node}, but loopback replicas on node {p.replica_node} "
                     f"are unreachable from there: set rollout.host to node {p.replica_node}'s address on the job network "
                     "(and rollout.token)")
     return layouts
+
+
+def weight_senders(cfg: Config, layouts: list[NodeLayout]) -> list[tuple[int, int]]:
+    """(global rank, node) of each pipeline stage's weight-sync sender, its TP rank 0 of DP rank 0:
+    ranks fill the nodes in order, and in megatron's rank order (tp-cp-ep-dp-pp) pp varies slowest."""
+    node_of_rank = [n for n, lay in enumerate(layouts) for _ in lay.learner]
+    per_stage = len(node_of_rank) // cfg.parallel.pp
+    return [(stage * per_stage, node_of_rank[stage * per_stage]) for stage in range(cfg.parallel.pp)]
 
 
 def nproc_per_node(cfg: Config, node_rank: int, gpus_on_node: int) -> int:

@@ -316,7 +316,7 @@ def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dt
         model.bfloat16()
     _zero_vocab_padding(model, arch.vocab_size, vocab, tp)
     defer_lm_head(model)  # the loss projects the hidden states itself (learner/lm_head.py)
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and perf.backend.cuda:  # not one resolved for the CPU (plan-sync's, on meta)
         model.cuda(torch.cuda.current_device())
     return LearnerModel([model], arch, vocab, perf, raw, logits_chunk_bytes=logits_chunk_bytes)
 
