@@ -474,7 +474,7 @@ def test_a_corrupt_parquet_file_is_refused_naming_the_key_and_file(tmp_path):
 
 
 def test_an_eval_set_smaller_than_eval_size_is_taken_whole_with_a_warning(tmp_path, caplog):
-    """Decision (docs/configuration.md): the held-out evaluation uses what data.eval has; the
+    """Decision (docs/reliability.md): the held-out evaluation uses what data.eval has; the
     preflight's warning goes to the console and train.log, the summary names both numbers."""
     two = jsonl(tmp_path / "test.jsonl", [GOOD, GOOD])
     with caplog.at_level("WARNING", logger="megatron_async.run.preflight"):
