@@ -5,9 +5,9 @@
     torchrun --nproc-per-node 8 -m megatron_async train cfg.yaml parallel.tp=8   # what launch/ does
 
 The preflight (`run/preflight.py`: files, model, data, checkpoint, CPUs, GPUs) runs once, before
-anything starts: in this process, and not again in the ranks it relaunches. Then this process, if
-it starts learner rank 0, takes the run folder for the run's lifetime (`run/run_lock.py`). Without torchrun
-variables and with more than one learner rank needed (tp x pp, or --nproc), the command
+anything starts: in this process, and not again in the ranks it relaunches. Then the process that
+starts learner rank 0 takes the run folder for the run's lifetime (`run/run_lock.py`). Without
+torchrun variables and with more than one learner rank needed (tp x pp, or --nproc), the command
 relaunches itself under `python -m torch.distributed.run` on 127.0.0.1. The vLLM replicas are
 started by learner rank 0 (`run/rollout_state.py`), never by torchrun.
 
