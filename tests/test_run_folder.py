@@ -80,6 +80,24 @@ def test_a_lock_from_another_host_is_refused_naming_the_file_to_remove(tmp_path)
     assert path.exists()
 
 
+def test_a_lock_of_an_earlier_attempt_of_this_slurm_job_is_taken_over_on_any_host(tmp_path, monkeypatch, caplog):
+    """A requeued job (same SLURM_JOB_ID, SLURM_RESTART_COUNT + 1) whose earlier attempt was killed
+    before it released the folder, and whose rank 0 now runs on another node."""
+    cfg = load_config(None, [f"run.out_dir={tmp_path}"])
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    write_lock(cfg.run_dir, host="node-17", pid=GONE_PID, slurm_job="4242:0")
+    with caplog.at_level("WARNING", logger="megatron_async.run.run_lock"):
+        lock = RunLock.take(cfg)
+    assert "taking over the lock of a run that is gone (pid 4194305 on node-17, SLURM job 4242 attempt 0" in caplog.text
+    assert lock.holder.slurm_job == "4242:1"
+    lock.release()
+    for other in ("4243:0", "4242:1"):  # another job; this same attempt (another rank 0 of it? refused)
+        write_lock(cfg.run_dir, host="node-17", pid=GONE_PID, slurm_job=other)
+        with pytest.raises(ConfigError, match="it was taken on another host than this one"):
+            RunLock.take(cfg)
+
+
 def test_release_removes_only_its_own_lock(tmp_path):
     cfg = load_config(None, [f"run.out_dir={tmp_path}"])
     lock = RunLock.take(cfg)

@@ -14,9 +14,11 @@ learner rank 0 (a one-rank run; under a torchrun started by launch/*.sh, on whic
 rank 0). The other ranks, and the ranks the command relaunches, never touch it.
 
 Stale locks: a lock written on this host whose pid runs no more, or runs a process started after
-the lock was taken (a reused pid), is taken over with one warning line. A lock written on another
-host is never judged stale: whether its pid runs cannot be seen from here, so it is refused naming
-that host, pid and the file to remove once that run is known to be gone (docs/reliability.md).
+the lock was taken (a reused pid), is taken over with one warning line; so is one written by an
+earlier attempt of this SLURM job (a requeued job keeps its SLURM_JOB_ID, and SLURM ends the earlier
+attempt's processes first), on any host. Any other lock written on another host is never judged
+stale: whether its pid runs cannot be seen from here, so it is refused naming that host, pid and
+the file to remove once that run is known to be gone (docs/reliability.md).
 Two launches that find the same stale lock take turns (an flock on the run folder while one
 judges and replaces it), so only one of them takes it over.
 """
@@ -48,10 +50,12 @@ class LockHolder:
     pid: int
     started: float  # time.time() when the lock was taken
     command: str
+    slurm_job: str = ""  # "<SLURM_JOB_ID>:<SLURM_RESTART_COUNT>" under SLURM, else ""
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(self.started))
-        return f"pid {self.pid} on {self.host}, started {when}: {self.command}"
+        job = f", SLURM job {self.slurm_job.replace(':', ' attempt ')}" if self.slurm_job else ""
+        return f"pid {self.pid} on {self.host}{job}, started {when}: {self.command}"
 
     def is_gone(self) -> bool:
         """On this host only (the caller checks): its pid runs no more, or runs a later process."""
@@ -59,6 +63,20 @@ class LockHolder:
             return psutil.Process(self.pid).create_time() > self.started + 1.0  # a reused pid
         except psutil.NoSuchProcess:
             return True
+
+    def is_earlier_attempt_of(self, slurm_job: str) -> bool:
+        """Taken by an earlier attempt of the SLURM job `slurm_job` (this process's): SLURM ends
+        every process of a job before it requeues it, so that attempt is gone, on whatever host."""
+        if not (self.slurm_job and slurm_job):
+            return False
+        (held_id, held_attempt), (job_id, attempt) = self.slurm_job.split(":"), slurm_job.split(":")
+        return held_id == job_id and int(held_attempt) < int(attempt)
+
+
+def slurm_job() -> str:
+    """This process's SLURM job and attempt ("<SLURM_JOB_ID>:<SLURM_RESTART_COUNT>"; "" outside SLURM)."""
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    return f"{job_id}:{os.environ.get('SLURM_RESTART_COUNT') or 0}" if job_id else ""
 
 
 def read_holder(run_dir: Path) -> LockHolder | None:
@@ -75,6 +93,8 @@ def read_holder(run_dir: Path) -> LockHolder | None:
 def refusal(cfg: Config, holder: LockHolder) -> str | None:
     """Why `cfg`'s run may not start while `holder` holds its folder (None: the holder is gone)."""
     here, path = socket.gethostname(), cfg.run_dir / LOCK_FILE
+    if holder.is_earlier_attempt_of(slurm_job()):
+        return None
     if holder.host != here:
         return (f"key 'run.name' = {cfg.run.name!r}: run folder {cfg.run_dir} is in use by another run "
                 f"({holder.describe()}); it was taken on another host than this one ({here}), so whether that "
@@ -106,7 +126,8 @@ class RunLock:
         ConfigError if another run holds it."""
         run_dir = cfg.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        me = LockHolder(socket.gethostname(), os.getpid(), time.time(), " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
+        me = LockHolder(socket.gethostname(), os.getpid(), time.time(), " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+                        slurm_job())
         path = run_dir / LOCK_FILE
         folder = os.open(run_dir, os.O_RDONLY)
         try:
