@@ -581,11 +581,12 @@ def test_train_cli_says_one_clean_line_and_starts_nothing(case, tmp_path):
 
 
 @pytest.mark.integration  # as above
-@pytest.mark.parametrize("case", ["truncated", "nan", "no_tokenizer", "out_dir_file", "tracking", "key_twice"])
-def test_train_cli_refuses_bad_input_in_one_line(case, hf_model, tmp_path):
+@pytest.mark.parametrize("case", ["truncated", "nan", "no_tokenizer", "out_dir_file", "tracking", "key_twice",
+                                  "parquet", "hub_not_cached"])
+def test_train_cli_refuses_bad_input_in_one_line(case, hf_model, tmp_path, monkeypatch):
     """Bad input that was a traceback after launch (truncated weights, no tokenizer files, an out_dir
-    that is a file, a tracking server that does not answer) or a silent run (NaN weights, a key
-    given twice): one line and exit 2, before torchrun."""
+    that is a file, a tracking server that does not answer, a corrupt parquet file, a hub set not in
+    the cache) or a silent run (NaN weights, a key given twice): one line and exit 2, before torchrun."""
     model, out, config = shutil.copytree(hf_model, tmp_path / "model"), tmp_path / "runs", Path(CPU_TINY)
     weights, words = model / "model.safetensors", [f"model.hf_path={model}"]
     if case == "truncated":
@@ -606,6 +607,16 @@ def test_train_cli_refuses_bad_input_in_one_line(case, hf_model, tmp_path):
     elif case == "tracking":
         words.append("tracking.uri=http://127.0.0.1:1")
         expect = "key 'tracking.uri' = 'http://127.0.0.1:1': no server answers there (ConnectionRefusedError"
+    elif case == "parquet":
+        junk = tmp_path / "train.parquet"
+        junk.write_bytes(b"PAR1 not really")
+        words.append(f"data.train={junk}")
+        expect = f"key 'data.train' = '{junk}': {junk}: not a readable parquet file (ArrowInvalid"
+    elif case == "hub_not_cached":
+        monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))  # empty: nothing downloaded
+        words.append("data.train=openai/gsm8k:main")
+        expect = (f"key 'data.train' = 'openai/gsm8k:main': not in the local `datasets` cache ({tmp_path}/hf_datasets; "
+                  "looked up offline")
     else:
         text = config.read_text()
         config = tmp_path / "twice.yaml"

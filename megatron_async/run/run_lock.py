@@ -20,7 +20,8 @@ attempt's processes first), on any host. Any other lock written on another host 
 stale: whether its pid runs cannot be seen from here, so it is refused naming that host, pid and
 the file to remove once that run is known to be gone (docs/reliability.md).
 Two launches that find the same stale lock take turns (an flock on the run folder while one
-judges and replaces it), so only one of them takes it over.
+judges and replaces it), so only one of them takes it over; where the filesystem refuses an flock
+on a folder (NFS), that rare race is not guarded (the O_EXCL create still is).
 """
 from __future__ import annotations
 
@@ -131,7 +132,10 @@ class RunLock:
         path = run_dir / LOCK_FILE
         folder = os.open(run_dir, os.O_RDONLY)
         try:
-            fcntl.flock(folder, fcntl.LOCK_EX)  # one judge of a stale lock at a time (on this host)
+            try:
+                fcntl.flock(folder, fcntl.LOCK_EX)  # one judge of a stale lock at a time
+            except OSError:  # NFS locks need a file open for writing, not a folder: unguarded there
+                pass
             try:
                 _create(path, me)
             except FileExistsError:
