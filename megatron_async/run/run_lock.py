@@ -29,6 +29,7 @@ import fcntl
 import json
 import logging
 import os
+import shlex
 import socket
 import sys
 import time
@@ -127,7 +128,7 @@ class RunLock:
         ConfigError if another run holds it."""
         run_dir = cfg.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        me = LockHolder(socket.gethostname(), os.getpid(), time.time(), " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        me = LockHolder(socket.gethostname(), os.getpid(), time.time(), shlex.join(["megatron-async", *sys.argv[1:]]),
                         slurm_job())
         path = run_dir / LOCK_FILE
         folder = os.open(run_dir, os.O_RDONLY)
