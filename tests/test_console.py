@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from megatron_async import cli
+from megatron_async.cli import TRAIN_STARTED_ENV
 from megatron_async.config import load_config
 from megatron_async.observability import logs
 from megatron_async.observability.tracking import NullTracker
-from megatron_async.cli import TRAIN_STARTED_ENV
 from megatron_async.run import report
 from megatron_async.run.report import run_summary
 
@@ -106,6 +109,30 @@ def test_run_summary_says_what_its_wall_time_and_held_out_count_are(tmp_path, mo
             "counted)") in text
     monkeypatch.setenv(TRAIN_STARTED_ENV, str(time.time() - 90))  # set by the CLI when `train` starts
     assert 90 <= report._command_seconds() < 90 + 60
+
+
+CPU_TINY = str(Path(__file__).resolve().parents[1] / "configs" / "cpu_tiny.yaml")
+
+
+def test_the_train_command_records_when_it_started_and_its_ranks_keep_it(fresh_logging, monkeypatch):
+    """cli.main sets TRAIN_STARTED_ENV as it starts (replacing a value from the environment), before
+    the launch, whose own imports take seconds; a rank it relaunched (LOCAL_RANK set) keeps its launcher's."""
+    seen: list[float] = []
+
+    def launch_main(cfg, config_path, overrides, nproc=None):
+        seen.append(float(os.environ[TRAIN_STARTED_ENV]))
+        return 0
+
+    monkeypatch.setattr(cli, "_load", lambda module, what: SimpleNamespace(main=launch_main))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv(TRAIN_STARTED_ENV, "1.0")
+    before = time.time()
+    assert cli.main(["train", CPU_TINY]) == 0
+    assert before <= seen[-1] <= time.time()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv(TRAIN_STARTED_ENV, "123.0")
+    cli.main(["train", CPU_TINY])
+    assert seen[-1] == 123.0
 
 
 # --------------------------------------------------------------------------- evaluation JSON
