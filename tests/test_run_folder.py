@@ -5,8 +5,9 @@ refused where a previous run's checkpoints are, naming --resume; nothing of that
 Fast tier: the lock's rules in-process (this process's own pid is a live holder; a pid past the
 kernel's pid_max is one that is gone; pid 1 with a start time before its own is a reused pid).
 Integration: real `megatron-async train` runs: two launches at once, a rerun without --resume, and
-a run SIGKILLed while it holds the folder (tests/test_multinode.py checks that only rank 0 of a
-two-node job takes it).
+a run SIGKILLed while it holds the folder, whose successor is started as launch/quickstart.sh
+starts it (a shell execs it) and counts its wall time from the command's start
+(tests/test_multinode.py checks that only rank 0 of a two-node job takes the folder).
 """
 from __future__ import annotations
 
@@ -132,6 +133,7 @@ def test_a_fresh_run_where_a_previous_run_saved_checkpoints_is_refused_naming_re
 # ------------------------------------------------------------------- real runs (integration)
 
 STEPS = 2
+SHELL_S = 12  # what the shell before the command spends (launch/quickstart.sh: the install)
 RUN = [*RLOO, f"trainer.steps={STEPS}", "trainer.checkpoint_every=1"]
 
 
@@ -153,11 +155,11 @@ def refused_line(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def start(out: Path, *overrides: str) -> subprocess.Popen:
-    """`megatron-async train` as e2e_utils.train runs it, in its own session, without waiting."""
-    with open(out / "first.log", "w") as log:  # the child writes it through its own descriptor
-        return subprocess.Popen(train_command(out, *overrides), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+def start(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    """`cmd` (a `megatron-async train`) as e2e_utils.train runs it, in its own session, without waiting."""
+    with open(log_path, "w") as log:  # the child writes it through its own descriptor
+        return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def stop_session(proc: subprocess.Popen) -> None:
@@ -173,7 +175,7 @@ def stop_session(proc: subprocess.Popen) -> None:
 def test_a_second_launch_is_refused_and_the_first_finishes_intact_and_a_rerun_needs_resume(tmp_path):
     data = coin_flip_data(tmp_path)
     run_dir = tmp_path / "cpu_tiny"
-    first = start(tmp_path, *data, *RUN)
+    first = start(train_command(tmp_path, *data, *RUN), tmp_path / "first.log")
     try:
         holder = wait_for_lock(run_dir, first)
         assert holder["pid"] == first.pid and holder["host"] == socket.gethostname()
@@ -203,15 +205,26 @@ def test_a_second_launch_is_refused_and_the_first_finishes_intact_and_a_rerun_ne
 def test_a_lock_left_by_a_sigkilled_run_is_taken_over_with_one_line(tmp_path):
     data = coin_flip_data(tmp_path)
     run_dir = tmp_path / "cpu_tiny"
-    killed = start(tmp_path, *data, *RUN)
+    killed = start(train_command(tmp_path, *data, *RUN), tmp_path / "killed.log")
     try:
         holder = wait_for_lock(run_dir, killed)
     finally:
         stop_session(killed)  # SIGKILL: no code of it runs, the lock stays
     assert json.loads((run_dir / LOCK_FILE).read_text()) == holder
-    proc = train(tmp_path, *data, *RUN, "trainer.steps=1")
-    taken = [line for line in (proc.stdout + proc.stderr).splitlines() if "taking over the lock" in line]
+    # started as launch/quickstart.sh starts it: a shell that works first (there: the install), then execs it
+    cmd = ["bash", "-c", f'sleep {SHELL_S}; exec "$@"', "bash", *train_command(tmp_path, *data, *RUN, "trainer.steps=1")]
+    t0 = time.monotonic()
+    proc = start(cmd, tmp_path / "again.log")
+    try:
+        assert proc.wait(timeout=900) == 0, (tmp_path / "again.log").read_text()[-4000:]
+    finally:
+        stop_session(proc)
+    elapsed, out = time.monotonic() - t0, (tmp_path / "again.log").read_text()
+    taken = [line for line in out.splitlines() if "taking over the lock" in line]
     assert len(taken) == 1 and taken[0].endswith(f"run folder {run_dir}: taking over the lock of a run that is gone "
                                                  f"({LockHolder(**holder).describe()})"), taken
     assert_trained(run_dir, 1)
     assert not (run_dir / LOCK_FILE).exists()
+    # the summary's wall time is the train command's (to 0.1 min), without the shell's seconds before it
+    wall = re.search(r"wall time: ([\d.]+) min \(since the train command started\)", out)
+    assert wall and float(wall[1]) * 60 <= elapsed - SHELL_S + 3, (wall and wall[0], elapsed)
