@@ -29,6 +29,7 @@ from tests.e2e_utils import RLOO, assert_one_step_off_policy, assert_trained, co
 from tests.e2e_utils import SMALL as E2E_SMALL
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("in_an_empty_folder")  # runs/ of the default run.out_dir: tests/conftest.py
 CFG = str(REPO / "configs" / "cpu_tiny.yaml")
 STEPS = 3
 SMALL = [*E2E_SMALL, *RLOO, "sft.steps=20", f"trainer.steps={STEPS}", "trainer.checkpoint_every=0",

@@ -22,6 +22,7 @@ from megatron_async.learner.model import read_arch
 from megatron_async.run.preflight import preflight
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("in_an_empty_folder")  # runs/ of the default run.out_dir: tests/conftest.py
 CPU_TINY = str(REPO / "configs" / "cpu_tiny.yaml")
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
