@@ -19,7 +19,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import time
+
+# time.time() when `megatron-async train` started, for the summary's wall time (run/report.py):
+# the process's own start is earlier where a script execs the command after installing
+# (launch/quickstart.sh); the ranks the command relaunches under torchrun inherit it
+TRAIN_STARTED_ENV = "MEGATRON_ASYNC_TRAIN_STARTED"
 
 SUBCOMMANDS = {
     "train": "run asynchronous RL training (Online DPO by default): learner + vLLM replicas",
@@ -100,6 +107,7 @@ def _load(module: str, what: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
     # convert, bench, export-smollm2 and plan-sync own their argument parsing; everything after the word is theirs.
     own_parsers = {"convert": "megatron_async.learner.convert", "bench": "megatron_async.bench.commands",
@@ -138,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "placement":
         return _print_placement(cfg, args.node_rank)
     if args.command == "train":
+        if "LOCAL_RANK" not in os.environ:  # not a learner rank: torchrun's ranks keep their launcher's
+            os.environ[TRAIN_STARTED_ENV] = str(started)
         return _load("megatron_async.run.launch", "train").main(cfg, args.config, args.overrides, nproc=args.nproc)
     if args.command == "serve-replica":
         return _load("megatron_async.rollout.build", "serve-replica").serve_replica(cfg, args.index)

@@ -99,6 +99,19 @@ def _no_process_outside_integration(request):
                     "mark the test `integration` (tests/conftest.py)", pytrace=False)
 
 
+@pytest.fixture
+def in_an_empty_folder(tmp_path_factory):
+    """The test runs in an empty folder of its own, so that a config's default run.out_dir (runs/,
+    relative) is not this checkout's, where a run of the main job may be: the preflight refuses a
+    run folder in use or holding a previous run's checkpoints."""
+    before = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpts(tmp_path_factory) -> dict[str, Path]:
     """Tiny random HF checkpoints sharing one tokenizer: GQA (untied), tied embeddings, llama3 rope

@@ -45,16 +45,21 @@ def coin_flip_data(out_dir) -> list[str]:
     return [f"data.train={path}", f"data.eval={path}", "sft.steps=60", "rollout.max_new_tokens=8"]
 
 
+def train_command(out_dir, *overrides, resume=False, small=True) -> list[str]:
+    """`megatron-async train` on configs/cpu_tiny.yaml with `SMALL` (`small=False`: the main job's
+    config as shipped) and `overrides`, into `out_dir`."""
+    return [sys.executable, "-m", "megatron_async", "train", str(REPO / "configs" / "cpu_tiny.yaml"),
+            *(SMALL if small else []), f"run.out_dir={out_dir}", *overrides] + (["--resume"] if resume else [])
+
+
 def train(out_dir, *overrides, resume=False, env=None, check=True, small=True) -> subprocess.CompletedProcess:
-    """Run `megatron-async train` on configs/cpu_tiny.yaml with `SMALL` (`small=False`: the main job's
-    config as shipped) and `overrides`, in its own session; afterwards kill whatever it left behind.
+    """Run `train_command(...)` in its own session; afterwards kill whatever it left behind.
 
     NOTE: a learner killed with SIGKILL (fault tests) leaves multiprocessing helpers of
     dist_checkpointing orphaned, holding inherited pipes: output goes to files, not pipes, and the
     session's process group is killed once the learner has exited.
     """
-    cmd = [sys.executable, "-m", "megatron_async", "train", str(REPO / "configs" / "cpu_tiny.yaml"),
-           *(SMALL if small else []), f"run.out_dir={out_dir}", *overrides] + (["--resume"] if resume else [])
+    cmd = train_command(out_dir, *overrides, resume=resume, small=small)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, start_new_session=True,

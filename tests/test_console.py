@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from megatron_async import cli
+from megatron_async.cli import TRAIN_STARTED_ENV
 from megatron_async.config import load_config
 from megatron_async.observability import logs
 from megatron_async.observability.tracking import NullTracker
+from megatron_async.run import report
 from megatron_async.run.report import run_summary
 
 
@@ -85,6 +91,48 @@ def test_run_summary_names_metric_wall_time_and_where_things_are(tmp_path):
             "exact McNemar p = 8.4e-07)") in text
     server = run_summary(cfg, 8, None, 0.5, None, None, None, tracker_at("http://mlflow:5000"), None)
     assert "after training: 0.500" in server and "mlflow ui" not in server and "http://mlflow:5000" in server
+
+
+def test_run_summary_says_what_its_wall_time_and_held_out_count_are(tmp_path, monkeypatch):
+    """The wall time is the train command's (not its process's, which for launch/quickstart.sh began
+    with the install); a resumed run's is its own command's and says so; a data.eval with fewer
+    problems than data.eval_size is named with both numbers."""
+    cfg = load_config(None, [f"run.out_dir={tmp_path}", "data.eval=test.jsonl", "data.eval_size=64"])
+    tracker = tracker_at("")
+    text = run_summary(cfg, 2, 0.0, 0.5, wall_s=660.0, png=None, checkpoint=None, tracker=tracker, log_path=None)
+    assert "pass@1 on 2 held-out problems (all of data.eval; data.eval_size asked for 64): before" in text
+    assert "wall time: 11.0 min (since the train command started)" in text
+    text = run_summary(cfg, 64, None, 0.5, wall_s=120.0, png=None, checkpoint=None, tracker=tracker, log_path=None,
+                       resumed_at=40)
+    assert "pass@1 on 64 held-out problems after training" in text
+    assert ("wall time: 2.0 min of this command, which resumed the run at step 40 (the commands before it are not "
+            "counted)") in text
+    monkeypatch.setenv(TRAIN_STARTED_ENV, str(time.time() - 90))  # set by the CLI when `train` starts
+    assert 90 <= report._command_seconds() < 90 + 60
+
+
+CPU_TINY = str(Path(__file__).resolve().parents[1] / "configs" / "cpu_tiny.yaml")
+
+
+def test_the_train_command_records_when_it_started_and_its_ranks_keep_it(fresh_logging, monkeypatch):
+    """cli.main sets TRAIN_STARTED_ENV as it starts (replacing a value from the environment), before
+    the launch, whose own imports take seconds; a rank it relaunched (LOCAL_RANK set) keeps its launcher's."""
+    seen: list[float] = []
+
+    def launch_main(cfg, config_path, overrides, nproc=None):
+        seen.append(float(os.environ[TRAIN_STARTED_ENV]))
+        return 0
+
+    monkeypatch.setattr(cli, "_load", lambda module, what: SimpleNamespace(main=launch_main))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv(TRAIN_STARTED_ENV, "1.0")
+    before = time.time()
+    assert cli.main(["train", CPU_TINY]) == 0
+    assert before <= seen[-1] <= time.time()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv(TRAIN_STARTED_ENV, "123.0")
+    cli.main(["train", CPU_TINY])
+    assert seen[-1] == 123.0
 
 
 # --------------------------------------------------------------------------- evaluation JSON

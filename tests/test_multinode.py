@@ -29,6 +29,7 @@ from tests.e2e_utils import RLOO, assert_one_step_off_policy, assert_trained, co
 from tests.e2e_utils import SMALL as E2E_SMALL
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("in_an_empty_folder")  # runs/ of the default run.out_dir: tests/conftest.py
 CFG = str(REPO / "configs" / "cpu_tiny.yaml")
 STEPS = 3
 SMALL = [*E2E_SMALL, *RLOO, "sft.steps=20", f"trainer.steps={STEPS}", "trainer.checkpoint_every=0",
@@ -180,6 +181,12 @@ def test_two_node_job_tp_across_nodes(tmp_path):
     assert (run_dir / "replicas" / "replica0.log").exists()
     assert "[rank0]" in logs[0] and "[rank0]" not in logs[1]
     assert (run_dir / "hf_final" / "config.json").exists()
+    # the run folder was taken by one process, rank 0 (run/run_lock.py; node 1's rank, whose INFO
+    # lines go to its train.rank1.log, never tried), and released at the end
+    taken = [n for n, text in enumerate(logs) for line in text.splitlines() if "taken by this run" in line]
+    assert taken == [0], taken
+    assert not any("run folder" in p.read_text() for p in run_dir.glob("train.rank*.log"))
+    assert not (run_dir / "run.lock").exists()
 
 
 # ----------------------------------------------------------------------------- a dedicated replica node

@@ -22,6 +22,7 @@ from megatron_async.learner.model import read_arch
 from megatron_async.run.preflight import preflight
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("in_an_empty_folder")  # runs/ of the default run.out_dir: tests/conftest.py
 CPU_TINY = str(REPO / "configs" / "cpu_tiny.yaml")
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -457,6 +458,94 @@ def test_resume_from_a_corrupt_checkpoint_names_the_newest_intact_one(tmp_path, 
         preflight(load_config(None, [*run, "run.resume_from=step_000010"]))
 
 
+def test_a_corrupt_parquet_file_is_refused_naming_the_key_and_file(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.Table.from_pylist([json.loads(GOOD)] * 3), good)
+    preflight(load_config(None, [f"data.train={good}"]))
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes(good.read_bytes()[:good.stat().st_size // 2])  # a copy cut short
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(b"PAR1 not really")
+    for bad, key in ((cut, "data.train"), (junk, "data.eval")):
+        with pytest.raises(ConfigError, match=rf"key '{key}' = '{bad}': {bad}: not a readable parquet file \(Arrow"):
+            preflight(load_config(None, [f"{key}={bad}"]))
+
+
+def test_an_eval_set_smaller_than_eval_size_is_taken_whole_with_a_warning(tmp_path, caplog):
+    """Decision (docs/reliability.md): the held-out evaluation uses what data.eval has; the
+    preflight's warning goes to the console and train.log, the summary names both numbers."""
+    two = jsonl(tmp_path / "test.jsonl", [GOOD, GOOD])
+    with caplog.at_level("WARNING", logger="megatron_async.run.preflight"):
+        preflight(load_config(None, [f"data.eval={two}", "data.eval_size=64"]))
+    assert f"data.eval = {two} has 2 problems, fewer than data.eval_size = 64: the held-out evaluation uses all 2" \
+        in caplog.text
+    caplog.clear()
+    preflight(load_config(None, [f"data.eval={two}", "data.eval_size=2"]))
+    assert "fewer than data.eval_size" not in caplog.text
+
+
+def cached_hub_set(cache: Path, name: str, rows: list[dict]) -> None:
+    """`rows` in `cache` as `datasets` keeps a hub set it downloaded (`<org>___<name>/<config>/<version>/<hash>/`,
+    arrow files per split): prepared by its own json builder, then moved to the hub set's place."""
+    import datasets
+
+    source = jsonl(cache.parent / "rows.jsonl", [json.dumps(r) for r in rows])
+    builder = datasets.load_dataset_builder("json", data_files={"train": str(source), "test": str(source)},
+                                            cache_dir=str(cache / "build"))
+    builder.download_and_prepare()
+    built = Path(builder.cache_dir)
+    org, set_name = name.split("/")
+    target = shutil.copytree(built, cache / f"{org}___{set_name}" / "default" / built.parts[-2] / built.parts[-1])
+    for arrow in target.glob("json-*.arrow"):
+        arrow.rename(arrow.with_name(arrow.name.replace("json-", f"{set_name}-")))
+    info = json.loads((target / "dataset_info.json").read_text())
+    (target / "dataset_info.json").write_text(json.dumps({**info, "config_name": "default", "dataset_name": set_name}))
+
+
+def test_a_hub_dataset_not_in_the_local_cache_is_refused_saying_how_to_get_it(tmp_path, monkeypatch):
+    """Looked up offline before launch (it was a DataError traceback from rank 0, 37 s after torchrun
+    and the replicas started, on a machine without network); found in the cache, it is read and checked."""
+    import datasets
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hf_datasets"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    online = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+    with pytest.raises(ConfigError, match=rf"key 'data.train' = 'testorg/tiny_set': not in the local `datasets` cache "
+                                          rf"\({cache}; looked up offline: .*\); download it once where there is network, "
+                                          r"with the same HF_HOME / HF_DATASETS_CACHE: python -c \"import datasets; "
+                                          r"datasets.load_dataset\('testorg/tiny_set'\)\", or give a .jsonl"):
+        preflight(load_config(None, ["data.train=testorg/tiny_set"]))
+    assert (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE) == online  # switched back
+    cached_hub_set(cache, "testorg/tiny_set", [json.loads(GOOD)] * 3)
+    preflight(load_config(None, ["data.train=testorg/tiny_set", "data.eval=testorg/tiny_set", "data.eval_size=3"]))
+    cached_hub_set(tmp_path / "other", "testorg/bad_set", [{"question": "q?", "answer": "no number"}])
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "other")
+    with pytest.raises(ConfigError, match=r"key 'data.eval' = 'testorg/bad_set': dataset testorg/bad_set\[test\] row 0: "
+                                          r"field 'answer' has no final number"):
+        preflight(load_config(None, ["data.eval=testorg/bad_set"]))
+
+
+def test_an_out_dir_on_a_read_only_filesystem_is_refused(tmp_path):
+    """A read-only filesystem (was an OSError traceback from rank 0), for a new run directory (named
+    by run.out_dir, its parent) and for one that is there already (named by run.name)."""
+    from tests.test_checkpoint_save import tmpfs
+
+    runs = tmp_path / "disk" / "runs"
+    with tmpfs(tmp_path / "disk", size_bytes=1 << 20) as make_read_only:
+        preflight(load_config(None, [f"run.out_dir={runs}", "run.name=new"]))
+        (runs / "old").mkdir(parents=True)
+        make_read_only()
+        with pytest.raises(ConfigError, match=rf"key 'run.out_dir' = '{runs}': cannot write in {runs} \(Read-only file "
+                                              rf"system\): the run directory {runs}/new needs a writable folder"):
+            preflight(load_config(None, [f"run.out_dir={runs}", "run.name=new"]))
+        with pytest.raises(ConfigError, match=rf"key 'run.name' = 'old': cannot write in {runs}/old \(Read-only"):
+            preflight(load_config(None, [f"run.out_dir={runs}", "run.name=old"]))
+
+
 # --------------------------------------------------------------------------- the command line
 
 
@@ -493,11 +582,12 @@ def test_train_cli_says_one_clean_line_and_starts_nothing(case, tmp_path):
 
 
 @pytest.mark.integration  # as above
-@pytest.mark.parametrize("case", ["truncated", "nan", "no_tokenizer", "out_dir_file", "tracking", "key_twice"])
-def test_train_cli_refuses_bad_input_in_one_line(case, hf_model, tmp_path):
+@pytest.mark.parametrize("case", ["truncated", "nan", "no_tokenizer", "out_dir_file", "tracking", "key_twice",
+                                  "parquet", "hub_not_cached"])
+def test_train_cli_refuses_bad_input_in_one_line(case, hf_model, tmp_path, monkeypatch):
     """Bad input that was a traceback after launch (truncated weights, no tokenizer files, an out_dir
-    that is a file, a tracking server that does not answer) or a silent run (NaN weights, a key
-    given twice): one line and exit 2, before torchrun."""
+    that is a file, a tracking server that does not answer, a corrupt parquet file, a hub set not in
+    the cache) or a silent run (NaN weights, a key given twice): one line and exit 2, before torchrun."""
     model, out, config = shutil.copytree(hf_model, tmp_path / "model"), tmp_path / "runs", Path(CPU_TINY)
     weights, words = model / "model.safetensors", [f"model.hf_path={model}"]
     if case == "truncated":
@@ -518,6 +608,16 @@ def test_train_cli_refuses_bad_input_in_one_line(case, hf_model, tmp_path):
     elif case == "tracking":
         words.append("tracking.uri=http://127.0.0.1:1")
         expect = "key 'tracking.uri' = 'http://127.0.0.1:1': no server answers there (ConnectionRefusedError"
+    elif case == "parquet":
+        junk = tmp_path / "train.parquet"
+        junk.write_bytes(b"PAR1 not really")
+        words.append(f"data.train={junk}")
+        expect = f"key 'data.train' = '{junk}': {junk}: not a readable parquet file (ArrowInvalid"
+    elif case == "hub_not_cached":
+        monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))  # empty: nothing downloaded
+        words.append("data.train=openai/gsm8k:main")
+        expect = (f"key 'data.train' = 'openai/gsm8k:main': not in the local `datasets` cache ({tmp_path}/hf_datasets; "
+                  "looked up offline")
     else:
         text = config.read_text()
         config = tmp_path / "twice.yaml"

@@ -133,7 +133,7 @@ class FakeReport:
     def record(self, step, batch, metrics):
         self.metrics[step] = metrics
 
-    def finish(self, *args):
+    def finish(self, *args, **kwargs):
         pass
 
 

@@ -108,9 +108,14 @@ def _records(path: Path) -> Iterable[tuple[str, str, Any]]:
         for i, row in enumerate(rows):
             yield f"{path} item {i}", f"{path.stem}:{i}", row
     elif path.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except (pa.ArrowException, OSError) as e:  # not parquet, cut short, a corrupt page
+            raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
+        for i, row in enumerate(rows):
             yield f"{path} row {i}", f"{path.stem}:{i}", row
     else:
         raise DataError(f"{path}: unknown file type {path.suffix!r} (expected .jsonl, .json or .parquet)")

@@ -5,8 +5,9 @@
     torchrun --nproc-per-node 8 -m megatron_async train cfg.yaml parallel.tp=8   # what launch/ does
 
 The preflight (`run/preflight.py`: files, model, data, checkpoint, CPUs, GPUs) runs once, before
-anything starts: in this process, and not again in the ranks it relaunches. Without torchrun
-variables and with more than one learner rank needed (tp x pp, or --nproc), the command
+anything starts: in this process, and not again in the ranks it relaunches. Then the process that
+starts learner rank 0 takes the run folder for the run's lifetime (`run/run_lock.py`). Without
+torchrun variables and with more than one learner rank needed (tp x pp, or --nproc), the command
 relaunches itself under `python -m torch.distributed.run` on 127.0.0.1. The vLLM replicas are
 started by learner rank 0 (`run/rollout_state.py`), never by torchrun.
 
@@ -34,6 +35,7 @@ from megatron_async.learner.parallel import destroy_parallel, free_port
 from megatron_async.observability.logs import attach_log_file
 from megatron_async.run.preflight import preflight
 from megatron_async.run.checkpoint import CheckpointSaveError, latest_checkpoint
+from megatron_async.run.run_lock import RunLock
 from megatron_async.run.stop import EXIT_INTERRUPTED, EXIT_REQUEUE, STOP_SIGNALS, Stopped, StopSignals, stop_at_once
 from megatron_async.run.trainer import Trainer
 from megatron_async.weights.host_memory import sweep_dead_segments, unlink_live_segments
@@ -52,9 +54,22 @@ def main(cfg: Config, config_path: str, overrides: list[str], nproc: int | None 
             preflight(cfg, world_size=int(os.environ.get("WORLD_SIZE", ranks)))
         if not relaunch:  # this process is a learner rank: torchrun's node and rank counts against placement.*
             check_runtime(cfg)
+        # one process per run holds its folder (run/run_lock.py): the one that starts learner rank 0
+        owns_folder = os.environ.get(CHECKED_ENV) != "1" and os.environ.get("RANK", "0") == "0"
+        lock = RunLock.take(cfg) if owns_folder else None
     except ConfigError as e:
         print(f"megatron-async: config error: {e}", file=sys.stderr)
         return 2
+    try:
+        return _launch(cfg, config_path, overrides, ranks, relaunch, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _launch(cfg: Config, config_path: str, overrides: list[str], ranks: int, relaunch: bool,
+            lock: RunLock | None) -> int:
+    """Relaunch under torchrun, or build and train this learner rank; -> the exit status."""
     if relaunch:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
                "--master-addr=127.0.0.1", f"--master-port={free_port()}",
@@ -74,7 +89,12 @@ def main(cfg: Config, config_path: str, overrides: list[str], nproc: int | None 
     if files:
         logging.getLogger(__name__).info("removed %d weight-sync segment(s) of runs that died (%.0f MiB of /dev/shm)",
                                          files, freed / 2**20)
-    stop = StopSignals(cfg.run.stop_deadline_s, at_once=lambda why: stop_at_once(why, unlink_live_segments)).install()
+    def at_once(why: str) -> None:  # os._exit follows: no finally of this process runs
+        if lock is not None:
+            lock.release()
+        stop_at_once(why, unlink_live_segments)
+
+    stop = StopSignals(cfg.run.stop_deadline_s, at_once=at_once).install()
     trainer = None
     try:
         try:

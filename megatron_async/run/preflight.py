@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import socket
+import tempfile
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -33,7 +34,7 @@ from megatron_async.cluster import placement
 from megatron_async.cluster.cpu_affinity import (CPUS_AUTO, NATIVE_BF16_FLAGS, available_cpus, cpu_flags,
                                                   format_cpu_list, parse_cpu_list)
 from megatron_async.config import Config, ConfigError, replica_dtype
-from megatron_async.data import DataError, Problem, format_prompt, load_file, tokenize_prompts
+from megatron_async.data import DataError, Problem, format_prompt, load_file, load_hf_dataset, tokenize_prompts
 from megatron_async.learner.checkpoint import read_manifest
 from megatron_async.learner.mapping import validate_hf_checkpoint
 from megatron_async.learner.model import LlamaArch, read_arch
@@ -41,6 +42,7 @@ from megatron_async.models.base_model import load_tokenizer, tiny_spec
 from megatron_async.rollout.build import replica_urls
 from megatron_async.run.checkpoint import (checkpoint_problem, checkpoint_root, checkpoint_step,
                                            newest_intact_checkpoint, resume_checkpoint, run_checkpoints)
+from megatron_async.run.run_lock import check_not_in_use
 
 log = logging.getLogger(__name__)
 
@@ -298,18 +300,55 @@ def _check_reward_model(cfg: Config) -> None:
 
 
 def _check_data_source(cfg: Config, key: str) -> list | None:
-    """A file source exists and parses (every record has its fields and a readable answer) -> its
-    problems; None for "synthetic" and a `datasets` name such as "openai/gsm8k" (resolved when loaded)."""
-    source = getattr(cfg.data, key.split(".")[1])
+    """A file source exists and parses (every record has its fields and a readable answer), and a
+    `datasets` name such as "openai/gsm8k:main" is in the local cache and parses (`_load_cached`)
+    -> its problems; None for "synthetic". A held-out set with fewer problems than data.eval_size
+    is taken whole, with a warning (the summary says it too: `run.report.run_summary`)."""
+    d = cfg.data
+    source = getattr(d, key.split(".")[1])
     if source == "synthetic":
         return None
-    if source.endswith((".jsonl", ".json", ".parquet")) or source.startswith((".", "/", "~")):
-        _require(Path(source).is_file(), key, source, "file not found")
+    try:
+        if source.endswith((".jsonl", ".json", ".parquet")) or source.startswith((".", "/", "~")):
+            _require(Path(source).is_file(), key, source, "file not found")
+            problems = load_file(source, d.question_key, d.answer_key)
+        else:
+            problems = _load_cached(source, "train" if key == "data.train" else "test", d.question_key, d.answer_key)
+    except DataError as e:
+        raise ConfigError(f"key '{key}' = {source!r}: {e}") from None
+    if key == "data.eval" and d.eval_size > len(problems):
+        log.warning("data.eval = %s has %d problems, fewer than data.eval_size = %d: the held-out evaluation uses "
+                    "all %d", source, len(problems), d.eval_size, len(problems))
+    return problems
+
+
+def _load_cached(name: str, split: str, question_key: str, answer_key: str | None) -> list:
+    """A `datasets` source's problems from the local cache only: the hub is not asked (offline mode
+    for this call), so a set that was never downloaded is refused here at once, not after a wait
+    for the network on rank 0 after launch. Offline mode is switched by the flags `datasets` and
+    `huggingface_hub` read at each call (what HF_HUB_OFFLINE=1 sets at import)."""
+    import datasets  # lazy: only a run that names a hub set pays for importing it
+    import huggingface_hub.constants
+
+    flags = ((datasets.config, datasets.config.HF_HUB_OFFLINE),
+             (huggingface_hub.constants, huggingface_hub.constants.HF_HUB_OFFLINE))
+    for module, _ in flags:
+        setattr(module, "HF_HUB_OFFLINE", True)
+    try:
         try:
-            return load_file(source, cfg.data.question_key, cfg.data.answer_key)
+            return load_hf_dataset(name, split, question_key, answer_key)
         except DataError as e:
-            raise ConfigError(f"key '{key}' = {source!r}: {e}") from None
-    return None
+            if e.__cause__ is None:  # loaded, but a record is bad: the loader's own message
+                raise
+            path, _, config = name.partition(":")
+            load = f"datasets.load_dataset({path!r}{f', {config!r}' if config else ''})"
+            raise DataError(f"not in the local `datasets` cache ({datasets.config.HF_DATASETS_CACHE}; looked up "
+                            f"offline: {type(e.__cause__).__name__}: {e.__cause__}); download it once where there "
+                            f"is network, with the same HF_HOME / HF_DATASETS_CACHE: python -c \"import datasets; "
+                            f"{load}\", or give a .jsonl, .json or .parquet file") from None
+    finally:
+        for module, before in flags:
+            setattr(module, "HF_HUB_OFFLINE", before)
 
 
 def _check_prompt_template(cfg: Config) -> None:
@@ -325,7 +364,7 @@ def _check_prompt_lengths(cfg: Config, sources: dict[str, list | None]) -> None:
     is over data.max_prompt_tokens (and under "drop" some prompt is left): formatted and tokenized
     as the run will (chat template included), here rather than after the learner is built."""
     if cfg.model.hf_path == "tiny" or not any(sources.values()):
-        return  # the tiny tokenizer is built by the run; `datasets` sources are checked when loaded
+        return  # the tiny tokenizer is built by the run
     tokenizer = _tokenizer(cfg)
     d = cfg.data
     for key, problems in sources.items():
@@ -373,14 +412,26 @@ def _check_tokenizer_files(model_dir: str, key: str) -> None:
 
 
 def _check_run_dir(cfg: Config) -> None:
-    """The run directory can be made: it, or else the nearest of its parents that exists, is a folder
-    (a file there would be a NotADirectoryError on learner rank 0)."""
+    """The run directory can be made and written: it, or else the nearest of its parents that
+    exists, is a folder (a file there would be a NotADirectoryError on learner rank 0) in which a
+    file can be created (a read-only filesystem or folder was an OSError traceback); and no other
+    run holds it (`run.run_lock`; rank 0's preflight only: the other ranks' would see rank 0's own
+    lock)."""
     run_dir = cfg.run_dir
     existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+    key, value = ("run.name", cfg.run.name) if existing == run_dir else ("run.out_dir", cfg.run.out_dir)
     if not existing.is_dir():
-        key, value = ("run.name", cfg.run.name) if existing == run_dir else ("run.out_dir", cfg.run.out_dir)
         raise ConfigError(f"key '{key}' = {value!r}: {existing} is a file, not a folder (the run directory would "
                           f"be {run_dir})")
+    try:  # created and removed at once: what the run's first write would meet
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".megatron-async-write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"key '{key}' = {value!r}: cannot write in {existing} ({e.strerror}): the run directory "
+                          f"{run_dir} needs a writable folder") from None
+    if _is_rank0():
+        check_not_in_use(cfg)
 
 
 def _check_tracking_server(cfg: Config) -> None:
@@ -440,6 +491,7 @@ def _check_resume(cfg: Config, arch: LlamaArch | None) -> None:
     if not run.resume:
         _require(not run.resume_from, "run.resume_from", run.resume_from,
                  "is read only when resuming: add --resume (run.resume=true)")
+        _check_no_previous_run(cfg)
         return
     key, value = ("run.resume_from", run.resume_from) if run.resume_from else ("run.resume", True)
     ckpt = resume_checkpoint(cfg)
@@ -457,6 +509,21 @@ def _check_resume(cfg: Config, arch: LlamaArch | None) -> None:
                    f"--resume run.resume_from={intact.name} (the steps after it are trained again)")
         raise ConfigError(f"key '{key}' = {value!r}: cannot resume from {ckpt}: {problem}; {fix}")
     _check_resumed_model(cfg, ckpt, arch)
+
+
+def _check_no_previous_run(cfg: Config) -> None:
+    """A fresh run (no --resume) starts only in a folder without a previous run's checkpoints or
+    final model: it would replace them (its checkpoints prune the old ones, its outputs overwrite
+    history, evaluations and plot). Nothing of that run is removed or moved here: it is continued
+    with --resume, or a new run gets another folder (docs/checkpoints.md)."""
+    saved = run_checkpoints(cfg)
+    final = cfg.run_dir / "hf_final"
+    if not saved and not final.is_dir():
+        return
+    what = f"checkpoints up to {saved[-1].name}" if saved else f"a final model ({final.name})"
+    raise ConfigError(f"key 'run.resume' = False: run folder {cfg.run_dir} holds a previous run ({what}); continue it "
+                      f"with --resume, or start over under another run.name (or move {cfg.run_dir} away first); "
+                      "nothing of it is removed")
 
 
 def _check_resumed_model(cfg: Config, ckpt: Path, arch: LlamaArch | None) -> None:

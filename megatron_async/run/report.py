@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
+from megatron_async.cli import TRAIN_STARTED_ENV
 from megatron_async.config import Config
 from megatron_async.io_utils import atomic_write_text
 from megatron_async.observability.logs import log_file
@@ -75,8 +77,10 @@ class StepReport:
     def load_state_dict(self, state: dict) -> None:
         self.history = list(state["history"])
 
-    def finish(self, before: float | None, after: float | None, n_eval: int, checkpoint: Path | None) -> None:
-        """The training plot, history.json (read by `bench`) and the summary on the terminal."""
+    def finish(self, before: float | None, after: float | None, n_eval: int, checkpoint: Path | None,
+               resumed_at: int | None = None) -> None:
+        """The training plot, history.json (read by `bench`) and the summary on the terminal
+        (`resumed_at`: the step this command resumed the run at)."""
         run_dir, cfg = self.cfg.run_dir, self.cfg
         held_out = [(h["step"], h["eval/held_out"]) for h in self.history if "eval/held_out" in h]
         if before is not None:
@@ -91,37 +95,51 @@ class StepReport:
         paired = None
         if before is not None and after is not None and EVAL_METRIC[cfg.reward.kind] == "pass@1":
             paired = paired_test(*(json.loads((run_dir / f"eval_{tag}.json").read_text()) for tag in ("before", "after")))
-        print(run_summary(cfg, n_eval, before, after, wall_s=_process_seconds(), png=png, checkpoint=checkpoint,
-                          tracker=self.tracker, log_path=log_file(), paired=paired), flush=True)
+        print(run_summary(cfg, n_eval, before, after, wall_s=_command_seconds(), png=png, checkpoint=checkpoint,
+                          tracker=self.tracker, log_path=log_file(), paired=paired, resumed_at=resumed_at), flush=True)
 
 
-def _process_seconds() -> float | None:
-    """Wall time of this process so far (the run's, for a run that was not resumed)."""
+def _command_seconds() -> float | None:
+    """Wall time of this train command so far: since the `megatron-async train` command started
+    (cli.TRAIN_STARTED_ENV), or, in a rank that torchrun started from a script (launch/*.sh), since
+    this process started."""
+    if started := os.environ.get(TRAIN_STARTED_ENV):
+        return time.time() - float(started)
     try:
         return time.time() - psutil.Process().create_time()
-    except Exception:  # the process table unreadable (psutil.Error): no wall time in the summary
+    except psutil.Error:  # the process table unreadable: no wall time in the summary
         return None
 
 
 def run_summary(cfg: Config, n_eval: int, before: float | None, after: float | None, wall_s: float | None,
                 png: Path | None, checkpoint: Path | None, tracker: Tracker, log_path: Path | None,
-                paired: dict | None = None) -> str:
+                paired: dict | None = None, resumed_at: int | None = None) -> str:
     """The end-of-run summary printed on the terminal: the held-out metric before -> after with,
-    for exact match, the paired test (`paired`: run.evaluate.paired_test), wall time, and where the
-    outputs are (checkpoint, HF export, plot, per-problem verdicts, MLflow run with the command that
-    opens its UI, log file)."""
+    for exact match, the paired test (`paired`: run.evaluate.paired_test), and data.eval_size where
+    data.eval held fewer problems; the wall time of this train command (`resumed_at`: the step it
+    resumed the run at; the earlier commands' time is not known to it); where the outputs are
+    (checkpoint, HF export, plot, per-problem verdicts, MLflow run with the command that opens its
+    UI, log file)."""
     run_dir, metric = cfg.run_dir, EVAL_METRIC[cfg.reward.kind]
     lines = [f"== {cfg.run.name}: {cfg.trainer.algorithm}, {cfg.trainer.steps} steps, max_lag={cfg.rollout.max_lag}"]
+    asked = cfg.data.eval_size
+    if asked > n_eval and cfg.data.eval != "synthetic":  # the preflight warned: data.eval has fewer
+        n_eval_text = f"{n_eval} held-out problems (all of data.eval; data.eval_size asked for {asked})"
+    else:
+        n_eval_text = f"{n_eval} held-out problems"
     if before is not None and after is not None:
         test = "" if paired is None else (f"; {paired['up']} problems wrong -> right, {paired['down']} right -> wrong, "
                                           f"exact McNemar p = {paired['mcnemar_p']:.2g}")
-        lines.append(f"{metric} on {n_eval} held-out problems: before {before:.3f} -> after {after:.3f} "
+        lines.append(f"{metric} on {n_eval_text}: before {before:.3f} -> after {after:.3f} "
                      f"({after - before:+.3f}{test})")
         lines.append(f"  per problem: {run_dir / 'eval_before.json'}, eval_after.json")
     elif after is not None:
-        lines.append(f"{metric} on {n_eval} held-out problems after training: {after:.3f} ({run_dir / 'eval_after.json'})")
-    if wall_s is not None:
-        lines.append(f"wall time: {wall_s / 60:.1f} min")
+        lines.append(f"{metric} on {n_eval_text} after training: {after:.3f} ({run_dir / 'eval_after.json'})")
+    if wall_s is not None and resumed_at is None:
+        lines.append(f"wall time: {wall_s / 60:.1f} min (since the train command started)")
+    elif wall_s is not None:
+        lines.append(f"wall time: {wall_s / 60:.1f} min of this command, which resumed the run at step {resumed_at} "
+                     "(the commands before it are not counted)")
     if checkpoint is not None:
         lines.append(f"checkpoint: {checkpoint} (resume: megatron-async train ... --resume)")
     lines.append(f"final model (HF): {run_dir / 'hf_final'}")

@@ -188,7 +188,8 @@ class Trainer:
         after = self._evaluate("after")
         export_hf(self.learner.policy.model, cfg.run_dir / "hf_final", tokenizer_dir=self.init_model)
         if self.rollout is not None and self.report is not None:  # rank 0
-            self.report.finish(before, after, len(self.rollout.eval_prompts), latest_checkpoint(cfg))
+            self.report.finish(before, after, len(self.rollout.eval_prompts), latest_checkpoint(cfg),
+                               resumed_at=self.start_step if cfg.run.resume else None)
         return None
 
     def _next_batch(self, step: int) -> tuple[RolloutBatch, int] | None:
