@@ -11,9 +11,9 @@ runs them:
 - "fp32": `model.dtype=float32` (megatron's `FP32Optimizer`);
 - "bf16": `model.dtype=bfloat16` (bf16 parameters, fp32 main weights: megatron's
   `Float16OptimizerWithFloat16Params`);
-- "rounded": the fp32 learner with every module's output and every parameter's gradient rounded to
-  bf16 (forward hooks `x.bfloat16().float()`, whose backward rounds the gradient there too; tensor
-  hooks on the parameters): the control, what bf16 rounding of activations and gradients alone
+- "rounded": the fp32 learner with every module's output, the LM head's logits and every
+  parameter's gradient rounded to bf16 (`x.bfloat16().float()` in forward hooks and around the
+  head's projection, whose backward rounds the gradient there too; tensor hooks on the parameters): the control, what bf16 rounding of activations and gradients alone
   does to an otherwise fp32 learner, the same optimizer and weights.
 After each step it records per learner the optimizer's view (loss scale, the reported gradient
 norm, the clip coefficient it applied: the norm of the clipped main gradients over the reported
@@ -66,8 +66,11 @@ def round_to_bf16(learner: LearnerState) -> None:
         return output
 
     for chunk in [*learner.policy.model.chunks, *learner.reference.chunks]:
-        for module in unwrap_model(chunk).modules():
+        gpt = unwrap_model(chunk)
+        for module in gpt.modules():
             module.register_forward_hook(round_output)
+        head = gpt.output_layer  # the loss calls its projection outside a module call (learner/lm_head.py)
+        head.project = lambda hidden, weight=None, project=head.project: project(hidden, weight=weight).bfloat16().float()
         for p in chunk.parameters():
             if p.requires_grad:
                 p.register_hook(lambda g: g.bfloat16().float())
