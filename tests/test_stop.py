@@ -1,6 +1,6 @@
 """Stopping a run (run/stop.py) in-process: the signal logic, the loop's stop at a step boundary
 (the fakes of tests/test_trainer_loop.py), and the /dev/shm sweep (weights/host_memory.py). No process
-starts; tests/test_stop_e2e.py sends the signals to real runs."""
+starts but one fork (integration); tests/test_stop_e2e.py sends the signals to real runs."""
 from __future__ import annotations
 
 import os
@@ -82,6 +82,25 @@ def test_install_routes_the_signals_to_it_and_uninstall_restores_the_handlers():
     finally:
         stop.uninstall()
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+@pytest.mark.integration  # forks this process (a child that exits at once)
+def test_a_process_forked_while_the_signals_are_listened_to_ignores_the_stop_signals():
+    """What dist_checkpointing's writers are: forked from a rank mid-save, they must outlive a signal
+    sent to every process of the job; the rank alone decides to stop."""
+    stop, _, _ = signals()
+    stop.install()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 if the signals neither killed it nor reached its copy of the handler
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os._exit(0 if stop.signal is None else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        stop.uninstall()
+    assert os.waitstatus_to_exitcode(status) == 0  # 1: the inherited handler recorded a stop; -15: SIGTERM killed it
+    assert stop.signal is None  # the child's signals were its own
 
 
 # -- the loop ---------------------------------------------------------------------------------------
