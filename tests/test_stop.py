@@ -148,6 +148,23 @@ def test_a_push_that_fails_while_stopping_still_ends_in_the_checkpoint(tmp_path,
     assert no_files == [1]
 
 
+def test_with_no_replica_up_after_the_signal_the_step_stops_waiting_for_its_old_weights_batches(tmp_path, one_rank_group,
+                                                                                                 no_files):
+    """SLURM's SIGTERM reaches the replicas too: the batch the old weights still had to generate never
+    comes, and the checkpoint at the boundary must not wait for it (nor push to no one)."""
+    trainer, events = make_trainer(tmp_path, one_rank_group, "trainer.steps=5")
+    trainer.stop, _, _ = signals()
+    stop_during_step(trainer, 1)
+    producer, pool = trainer.rollout.producer, trainer.rollout.pool
+    done = producer.old_weights_done
+    producer.old_weights_done = lambda step: step < 1 and done(step)  # step 1's never
+    producer.wait = lambda timeout: setattr(pool, "replicas_up", False)  # they end while the loop waits
+    assert trainer.train() == Stopped("SIGTERM", 2, "ckpt2")
+    assert no_files == [2]
+    assert ("push", 1, None) in events.log and ("push", 2, None) not in events.log
+    assert ("train", 2) not in events.log
+
+
 def test_without_a_stop_signal_a_failed_push_still_ends_the_run(tmp_path, one_rank_group, no_files):
     trainer, _ = make_trainer(tmp_path, one_rank_group)
     trainer.stop, _, _ = signals()
