@@ -1,6 +1,6 @@
 """Stopping a run (run/stop.py) in-process: the signal logic, the loop's stop at a step boundary
 (the fakes of tests/test_trainer_loop.py), and the /dev/shm sweep (weights/host_memory.py). No process
-starts; tests/test_stop_e2e.py sends the signals to real runs."""
+starts but one fork (integration); tests/test_stop_e2e.py sends the signals to real runs."""
 from __future__ import annotations
 
 import os
@@ -84,6 +84,25 @@ def test_install_routes_the_signals_to_it_and_uninstall_restores_the_handlers():
     assert {s: signal.getsignal(s) for s in before} == before
 
 
+@pytest.mark.integration  # forks this process (a child that exits at once)
+def test_a_process_forked_while_the_signals_are_listened_to_ignores_the_stop_signals():
+    """What dist_checkpointing's writers are: forked from a rank mid-save, they must outlive a signal
+    sent to every process of the job; the rank alone decides to stop."""
+    stop, _, _ = signals()
+    stop.install()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 if the signals neither killed it nor reached its copy of the handler
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os._exit(0 if stop.signal is None else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        stop.uninstall()
+    assert os.waitstatus_to_exitcode(status) == 0  # 1: the inherited handler recorded a stop; -15: SIGTERM killed it
+    assert stop.signal is None  # the child's signals were its own
+
+
 # -- the loop ---------------------------------------------------------------------------------------
 def stop_during_step(trainer, at_step: int):
     """The fake learner's step `at_step` receives SIGTERM (as a scheduler would send it mid-step)."""
@@ -127,6 +146,23 @@ def test_a_push_that_fails_while_stopping_still_ends_in_the_checkpoint(tmp_path,
     trainer.weights.push = replicas_gone
     assert trainer.train() == Stopped("SIGTERM", 1, "ckpt1")
     assert no_files == [1]
+
+
+def test_with_no_replica_up_after_the_signal_the_step_stops_waiting_for_its_old_weights_batches(tmp_path, one_rank_group,
+                                                                                                 no_files):
+    """SLURM's SIGTERM reaches the replicas too: the batch the old weights still had to generate never
+    comes, and the checkpoint at the boundary must not wait for it (nor push to no one)."""
+    trainer, events = make_trainer(tmp_path, one_rank_group, "trainer.steps=5")
+    trainer.stop, _, _ = signals()
+    stop_during_step(trainer, 1)
+    producer, pool = trainer.rollout.producer, trainer.rollout.pool
+    done = producer.old_weights_done
+    producer.old_weights_done = lambda step: step < 1 and done(step)  # step 1's never
+    producer.wait = lambda timeout: setattr(pool, "replicas_up", False)  # they end while the loop waits
+    assert trainer.train() == Stopped("SIGTERM", 2, "ckpt2")
+    assert no_files == [2]
+    assert ("push", 1, None) in events.log and ("push", 2, None) not in events.log
+    assert ("train", 2) not in events.log
 
 
 def test_without_a_stop_signal_a_failed_push_still_ends_the_run(tmp_path, one_rank_group, no_files):

@@ -69,8 +69,14 @@ class FakeProducer:
 
 
 class FakePool:
+    urls = ["http://127.0.0.1:1"]
+
     def __init__(self, stale_once=()):
         self.stale_once = list(stale_once)
+        self.replicas_up = True
+
+    def up(self, replica_ids):
+        return list(replica_ids) if self.replicas_up else []
 
     def replicas_needing_weights(self, wait_s=None):
         stale, self.stale_once = self.stale_once, []

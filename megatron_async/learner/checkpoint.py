@@ -20,12 +20,20 @@ moments, and megatron's load would ask for them (KeyError optimizer.state.exp_av
 checkpoint saves model and schedule only (`optimizer_stepped: false` in the manifest), and the
 load gives the fresh optimizer the loaded weights (`reload_model_params`: bf16's fp32 main copies).
 All ranks must see the same filesystem (one node, or a shared one). Call collectively.
+
+NOTE megatron's torch_dist writer returns its write processes' results through a queue it creates
+at the first save, `multiprocessing.Manager().Queue()`: a server process, spawned for megatron's
+asynchronous save, where the writers report to another process. Ours are synchronous (the writers
+report to the rank, which reads the queue itself), so `_results_in_this_process` swaps that one
+queue for one of this process: no server exists that a stop signal sent to the whole job (`timeout`,
+`kill -TERM -PGID`, SLURM) kills. Killed, it made every later save fail with BrokenPipeError.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import queue
 import shutil
 from pathlib import Path
 
@@ -84,6 +92,16 @@ def rank0_then_share(fn):
     return value
 
 
+def _results_in_this_process() -> None:
+    """Swap megatron's results queue of the torch_dist writer for one of this process (module NOTE)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not hasattr(filesystem_async, "_results_queue"):  # a megatron-core whose writer changed: look again
+        raise RuntimeError("megatron.core.dist_checkpointing.strategies.filesystem_async has no _results_queue")
+    if not isinstance(filesystem_async._results_queue, queue.Queue):
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_checkpoint(ckpt_dir: str | os.PathLike, model: LearnerModel, optimizer=None, scheduler=None,
                     extra: dict | None = None, files: dict[str, Path] | None = None,
                     parts: dict[str, Path] | None = None) -> Path:
@@ -105,6 +123,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, model: LearnerModel, optimizer=
 
     rank0_then_share(prepare)
     stepped = optimizer is not None and _optimizer_stepped(optimizer, model)
+    _results_in_this_process()
     dist_checkpointing.save(_sharded_state(model.chunks, optimizer if stepped else None, scheduler, loading=False),
                             str(tmp / "dist"))
     dist.barrier()

@@ -17,7 +17,12 @@ recovery paths (not mocks):
                                               1 pushes its weights (after the first tensor); also
                                               train:N (as step N's training starts) and a third
                                               field for another signal: train:1:SIGINT (a scheduler's
-                                              or a user's stop, run/stop.py)
+                                              or a user's stop, run/stop.py); several, comma-separated:
+                                              train:1,sync:1 (each one after the first sent once
+                                              run/stop.py's DUPLICATE_WINDOW_S has passed since the
+                                              one before it, so that it counts as a second signal)
+    MEGATRON_ASYNC_SIGNAL_TO=group             ... sends them to its whole process group instead, as
+                                              `timeout` and `kill -TERM -PGID` do
 
 Unset (the default) they cost one dictionary lookup per step.
 """
@@ -29,6 +34,8 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from megatron_async.run.stop import DUPLICATE_WINDOW_S
+
 if TYPE_CHECKING:  # annotations only
     from megatron_async.rollout.pool import ReplicaPool
     from megatron_async.rollout.producer import RolloutProducer
@@ -38,6 +45,7 @@ NAN_LOSS_STEPS = "MEGATRON_ASYNC_NAN_LOSS_STEPS"
 KILL_REPLICA_AT_BATCH = "MEGATRON_ASYNC_KILL_REPLICA_AT_BATCH"
 RESTART_REPLICA_AT_STEP = "MEGATRON_ASYNC_RESTART_REPLICA_AT_STEP"
 SIGNAL_DURING = "MEGATRON_ASYNC_SIGNAL_DURING"
+SIGNAL_TO = "MEGATRON_ASYNC_SIGNAL_TO"
 
 
 def crash_after_checkpoint(step: int) -> None:
@@ -94,11 +102,24 @@ def restart_replica_at(step: int, pool: ReplicaPool, producer: RolloutProducer) 
         time.sleep(0.5)
 
 
+_last_signal_sent: list[float] = []  # when signal_during sent its previous signal (time.monotonic)
+
+
 def signal_during(phase: str, step: int) -> None:
-    """Send this process the signal MEGATRON_ASYNC_SIGNAL_DURING names for (phase, step)."""
-    phase_at, step_at, *name = os.environ.get(SIGNAL_DURING, "::").split(":")
-    if (phase_at, step_at) == (phase, str(step)):
-        os.kill(os.getpid(), signal.Signals[name[0] if name else "SIGTERM"])
+    """Send this process (MEGATRON_ASYNC_SIGNAL_TO=group: its process group) the signal that
+    MEGATRON_ASYNC_SIGNAL_DURING names for (phase, step)."""
+    for entry in os.environ.get(SIGNAL_DURING, "").split(","):
+        phase_at, step_at, *name = (entry or "::").split(":")
+        if (phase_at, step_at) != (phase, str(step)):
+            continue
+        if _last_signal_sent:  # a second signal, not a repeat of the first (run/stop.py)
+            time.sleep(max(0.0, _last_signal_sent[-1] + DUPLICATE_WINDOW_S + 0.5 - time.monotonic()))
+        sig = signal.Signals[name[0] if name else "SIGTERM"]
+        _last_signal_sent.append(time.monotonic())
+        if os.environ.get(SIGNAL_TO) == "group":
+            os.killpg(0, sig)
+        else:
+            os.kill(os.getpid(), sig)
 
 
 def signal_mid_sync(step: int, tensors):

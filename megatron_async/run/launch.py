@@ -144,8 +144,13 @@ def torchrun_stop_flags(cfg: Config) -> list[str]:
 def run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> int:
     """Run torchrun; SIGTERM, SIGUSR1 and SIGINT sent to this launcher go to the ranks (torchrun's
     children; torchrun itself until it has started them). Exit: the ranks' status, or EXIT_REQUEUE
-    when a stop signal was forwarded and the ranks stopped cleanly."""
-    proc = subprocess.Popen(cmd, env=env)
+    when a stop signal was forwarded and the ranks stopped cleanly.
+
+    torchrun runs in a process group of its own (its ranks in sessions of their own, torchrun's
+    doing), so a signal to this launcher's group (`timeout`, `kill -TERM -PGID`, Ctrl-C) reaches
+    the ranks once, through here: torchrun itself, signalled, would stop its agent with an error
+    (exit 1, SignalException) while the ranks still save."""
+    proc = subprocess.Popen(cmd, env=env, process_group=0)
     forwarded: list[int] = []
 
     def forward(signum, frame):

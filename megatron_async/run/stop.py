@@ -24,7 +24,10 @@ exit-signal handler does, so a signal that reached any one rank stops all of the
 boundary.
 
 The handler only records: the loop reads `requested` at its boundaries (and while rank 0 waits
-for a batch), so no step, weight push or checkpoint is cut in half by a first signal.
+for a batch), so no step, weight push or checkpoint is cut in half by a first signal. A process
+forked from a rank (dist_checkpointing's writers, forked for each save) is that rank's helper: it
+ignores SIGTERM and SIGUSR1, so a signal sent to every process of the job (`timeout`, SLURM) leaves
+the writes of the save it serves to finish; the rank decides when to stop.
 """
 from __future__ import annotations
 
@@ -78,6 +81,10 @@ class StopSignals:
     def install(self) -> "StopSignals":
         for sig in (*STOP_SIGNALS, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self.handle)
+        global _fork_hook_registered
+        if not _fork_hook_registered:  # os.register_at_fork's hooks cannot be removed: one per process
+            os.register_at_fork(after_in_child=_ignore_in_forked_helper)
+            _fork_hook_registered = True
         return self
 
     def uninstall(self) -> None:
@@ -112,6 +119,17 @@ class StopSignals:
         if flag.item() and self.signal is None:
             self.signal = "SIGTERM"  # another rank's; this rank's own deadline does not run
         return self.signal if flag.item() else None
+
+
+_fork_hook_registered = False
+
+
+def _ignore_in_forked_helper() -> None:
+    """In a process just forked from one whose stop signals a `StopSignals` handles: ignore them
+    (module docstring). The handler's state (a first signal, its deadline) stays the rank's."""
+    for sig in STOP_SIGNALS:
+        if isinstance(getattr(signal.getsignal(sig), "__self__", None), StopSignals):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def stop_at_once(reason: str, unlink: Callable[[], int]) -> None:

@@ -18,7 +18,9 @@ current weights before it takes work again (`_wait_until`).
 Stopping from outside (`run/stop.py`): after SIGTERM or SIGUSR1 the step under way finishes (its
 push included; a push that fails then is logged, not raised: the checkpoint does not need the
 replicas), and at the next step boundary, or while rank 0 waits there for the next batch, every
-rank saves a checkpoint at that boundary and `train` returns a `Stopped` record.
+rank saves a checkpoint at that boundary and `train` returns a `Stopped` record. The step waits for
+the batches of its old weights as usual, unless no replica is up any more (SLURM's SIGTERM reaches
+them too): then the checkpoint holds none of those batches, and the resumed run generates them again.
 
 State: `learner` (every rank: models, optimizers, the algorithm; `run/learner_state.py`),
 `rollout` (rank 0 only, None elsewhere: prompts, pool, scorer, producer, the lag and balance
@@ -157,9 +159,10 @@ class Trainer:
                     faults.signal_during("train", step)
                     metrics = self.learner.step(batch, step, updates)
                 with timer("learner_wait_old"):  # the old weights serve batches up to step + max_lag
-                    self._wait_until(lambda: self.producer.old_weights_done(step))
+                    replicas_left = self._wait_until(lambda: self.producer.old_weights_done(step),
+                                                     give_up=self._replicas_gone_while_stopping)
                 with timer("sync"):
-                    synced = self._push(step + 1)
+                    synced = self._push(step + 1) if replicas_left else PushResult(replicas=0)
                 held_out = None
                 if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
                     held_out = self._evaluate(f"step{step + 1}")  # replicas hold version step+1 until the next push
@@ -195,18 +198,18 @@ class Trainer:
     def _next_batch(self, step: int) -> tuple[RolloutBatch, int] | None:
         """All ranks: batch `step`, once rank 0's producer has generated it, and T, the passes over it;
         None if a stop signal reached rank 0 first."""
-        if not self._wait_until(lambda: self.producer.has(step), stoppable=True):
+        if not self._wait_until(lambda: self.producer.has(step), give_up=self._stop_requested):
             return None
         plan = (self.producer.take(step), self.rollout.updates_per_batch()) if self.rollout is not None else None
         return from_rank0(plan, self.ctrl)
 
-    def _wait_until(self, ready: Callable[[], bool], stoppable: bool = False) -> bool:
-        """All ranks: wait until rank 0's `ready()` holds (True), or, if `stoppable`, until a stop signal
-        reaches rank 0 (False); push weights to restarted replicas meanwhile."""
+    def _wait_until(self, ready: Callable[[], bool], give_up: Callable[[], bool] | None = None) -> bool:
+        """All ranks: wait until rank 0's `ready()` holds (True), or until its `give_up()` does (False);
+        push weights to restarted replicas meanwhile."""
         while True:
             command: tuple[str, list[int]] | None = None
             if self.rollout is not None:
-                if stoppable and self.stop is not None and self.stop.requested:
+                if give_up is not None and give_up():
                     command = ("stop", [])
                 elif stale := [r.replica_id for r in self.rollout.pool.replicas_needing_weights(wait_s=0)]:
                     command = ("resync", stale)  # before `ready`: a full push leaves restarted replicas out
@@ -239,6 +242,20 @@ class Trainer:
                 raise
             log.warning("weight push v%d failed while stopping (%s); the replicas are not needed for the checkpoint", version, e)
             return PushResult(replicas=0)
+
+    def _stop_requested(self) -> bool:
+        """Rank 0: a stop signal reached this rank."""
+        return self.stop is not None and self.stop.requested
+
+    def _replicas_gone_while_stopping(self) -> bool:
+        """Rank 0: a stop signal came and no replica is up: the batches of the old weights will not come,
+        and the step's push has no receiver (module docstring)."""
+        pool = self.rollout.pool if self.rollout is not None else None
+        if not (self._stop_requested() and pool is not None and not pool.up(range(len(pool.urls)))):
+            return False
+        log.warning("stopping with no replica up: the checkpoint at this boundary holds no batch generated after "
+                    "it, and the push is skipped; the resumed run generates those batches with its weights")
+        return True
 
     def _stopping(self) -> bool:
         """All ranks, at a step boundary: did any rank receive a stop signal?"""
