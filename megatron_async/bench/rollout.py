@@ -139,7 +139,7 @@ def measure_syncs(pool: ReplicaPool, sender: WeightSender, transport: str, state
         syncs.append({"transport": transport, "load_avg": load, "seconds": seconds, "push_seconds": m.seconds,
                       "gb_per_s": m.bytes_total / seconds / 1e9, "delta": m.delta, "full_every": full_every,
                       "changed_fraction": args.changed_fraction if version > first_version else None,
-                      **{k: getattr(m, k) for k in ("bytes", "bytes_total", "send_seconds", "buckets")}})
+                      **{k: getattr(m, k) for k in ("bytes", "bytes_total", "send_seconds", "buckets", "calls")}})
     return syncs
 
 

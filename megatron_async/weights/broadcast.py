@@ -55,11 +55,12 @@ each): sync time grows with replicas.
 """
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 from urllib.parse import urlparse
 
 import torch
@@ -68,7 +69,7 @@ from megatron_async.config import LOOPBACK_HOSTS
 from megatron_async.rollout.launcher import free_port
 from megatron_async.rollout.replica import ReplicaClient
 from megatron_async.weights import vllm_plugin
-from megatron_async.weights.update import PushResult, WeightSyncError, group_by_cap
+from megatron_async.weights.update import PushResult, WeightSyncError
 
 
 class Channel(Protocol):
@@ -221,6 +222,140 @@ def update_info(bucket: Sequence[tuple[str, torch.Tensor]], keep: bool = False, 
             "shapes": [list(t.shape) for _, t in bucket], "keep": keep, "group": group}
 
 
+NUM_BUFFERS = 2  # packed buffers in flight (vLLM's DEFAULT_PACKED_NUM_BUFFERS): double-buffered
+
+
+def header_tensors(header: dict | None, device: torch.device) -> list[torch.Tensor]:
+    """A buffer's in-band manifest as broadcast before it: its JSON length (int64 [1]), then its
+    bytes (uint8); None (the end of the stream): the length 0 alone. JSON, never pickle."""
+    if header is None:
+        return [torch.zeros(1, dtype=torch.int64, device=device)]
+    raw = json.dumps(header).encode()
+    return [torch.tensor([len(raw)], dtype=torch.int64, device=device),
+            torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)]
+
+
+class Fanout:
+    """The communicator vLLM's packed producer (`packed_nccl_broadcast_producer`) broadcasts on:
+    each packed buffer goes to every live replica's channel, preceded by its manifest (`header_tensors`:
+    `update_info` of the buffer's tensors and whether it is the stream's last), each replica bounded
+    on its own.
+
+    The producer packs a buffer while the previous ones are in flight; `broadcast` then waits
+    until at most `NUM_BUFFERS - 1` buffers per replica are unfinished (on CUDA the producer's
+    streams already order them: this bounds the waits; on a host, whose slots are no-ops, it is the
+    double buffering). A replica is dropped (`failed`, its group destroyed at once, the others go
+    on) when its call answers an error, its broadcast fails, or a buffer of it is not done within
+    `timeout_s` of being enqueued. Why the manifest travels in-band and not in the call: the
+    stage's stream is produced lazily (TP gathers) and a delta's tensors have data-dependent sizes,
+    so it is known only as it is packed; vLLM's consumer takes its manifest as an iterator, which
+    the replica feeds from these headers (weights/engines.py)."""
+
+    def __init__(self, channels: dict[str, Channel], answers: dict[str, Future], *, buffer_bytes: int,
+                 timeout_s: float, keep: bool, group: int, device: torch.device):
+        self.channels, self.answers = dict(channels), answers
+        self.buffer_bytes, self.timeout_s, self.keep, self.group, self.device = buffer_bytes, timeout_s, keep, group, device
+        self.failed: dict[str, str] = {}
+        self.bytes = self.buffers = 0
+        self.wait_seconds = 0.0
+        self._chunk: list[tuple[str, torch.Tensor]] = []  # the buffer being packed: (name, a meta tensor of its shape)
+        self._sent: dict[str, list[tuple[Callable[[], bool], float, list[torch.Tensor]]]] = {u: [] for u in channels}
+        self._expects_header = True  # the replicas read another header before the stream ends
+
+    def record(self, item: tuple[str, torch.Tensor]) -> torch.Tensor:
+        """The producer's `post_iter_func`: notes each tensor of the buffer being packed."""
+        name, tensor = item
+        self._chunk.append((name, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")))
+        self.bytes += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def items(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The producer's iterator: the stream, then every buffer in flight waited out (bounded), so
+        that the producer's closing stream synchronizations find nothing unbounded to wait for."""
+        yield from named_tensors
+        self._settle(in_flight=0)
+
+    def broadcast(self, packed: torch.Tensor, src: int = 0, stream: Any = None) -> None:
+        last = sum(t.numel() * t.element_size() for _, t in self._chunk) <= self.buffer_bytes  # vLLM's packing rule
+        header = update_info(self._chunk, keep=self.keep, group=self.group) | {"last": last}
+        self._chunk = []
+        self.buffers += 1
+        self._expects_header = not last
+        self._send([*header_tensors(header, packed.device), packed])
+        self._settle(in_flight=0 if last else NUM_BUFFERS - 1)
+
+    def finish(self) -> None:
+        """After the producer: end the stream where the replicas expect another header, then wait
+        for every replica's answer (bounded)."""
+        if self._expects_header:
+            self._send(header_tensors(None, self.device))
+        self._settle(in_flight=0)
+        t = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        while pending := [u for u in self.channels if not self.answers[u].done()]:
+            if time.monotonic() > deadline:
+                for url in pending:
+                    self._fail(url, f"its /update_weights did not answer within {self.timeout_s:.0f} s of the last buffer")
+                break
+            wait([self.answers[u] for u in pending], timeout=0.05, return_when=FIRST_COMPLETED)
+        for url in list(self.channels):
+            if (error := self.answers[url].exception()) is not None:
+                self._fail(url, str(error) or repr(error))
+        self.wait_seconds += time.perf_counter() - t
+
+    def _send(self, tensors: list[torch.Tensor]) -> None:
+        for url in list(self.channels):
+            if self._answered_error(url):
+                continue
+            try:
+                self._sent[url].append((self.channels[url].send(tensors), time.monotonic(), tensors))
+            except Exception as e:  # noqa: BLE001 - the replica is dropped from this push
+                self._fail(url, str(e) or repr(e))
+
+    def _settle(self, in_flight: int) -> None:
+        """Wait until every live replica has at most `in_flight` buffers unfinished."""
+        t = time.perf_counter()
+        while True:
+            busy = []
+            for url in list(self.channels):
+                if self._answered_error(url):
+                    continue
+                sent = self._sent[url]
+                try:
+                    while sent and sent[0][0]():
+                        sent.pop(0)
+                except Exception as e:  # noqa: BLE001 - its group failed (the peer closed it, or its timeout)
+                    self._fail(url, str(e) or repr(e))
+                    continue
+                if len(sent) > in_flight:
+                    if time.monotonic() > sent[0][1] + self.timeout_s:
+                        self._fail(url, f"buffer not received within {self.timeout_s:.0f} s")
+                    else:
+                        busy.append(url)
+            if not busy:
+                break
+            answering = [self.answers[u] for u in busy if not self.answers[u].done()]
+            if answering:
+                wait(answering, timeout=0.005, return_when=FIRST_COMPLETED)
+            else:
+                time.sleep(0.001)
+        self.wait_seconds += time.perf_counter() - t
+
+    def _answered_error(self, url: str) -> bool:
+        answer = self.answers[url]
+        if answer.done() and (error := answer.exception()) is not None:
+            self._fail(url, str(error) or repr(error))
+            return True
+        return False
+
+    def _fail(self, url: str, reason: str) -> None:
+        """Drop `url` from this push; its group aborted now: on NCCL every replica's broadcasts share
+        the producer's streams, and one to a failed peer holds those queued after it."""
+        self.failed[url] = reason
+        self._sent.pop(url, None)
+        self.channels.pop(url).destroy()
+
+
 def address_towards(url: str) -> str:
     """The address of this host on the route to `url`'s host: where that replica can reach a
     rendezvous here (127.0.0.1 for a loopback replica). Not the host name, which may resolve to
@@ -233,15 +368,17 @@ def address_towards(url: str) -> str:
         return probe.getsockname()[0]
 
 
-def _vllm_init_info(address: str, port: int, world_size: int, group: int) -> dict:
-    """The `/init_weight_transfer_engine` payload of vLLM's NCCL engine family (unpacked mode), with
-    the group (pipeline stage) our engines key their groups by."""
+def _vllm_init_info(address: str, port: int, world_size: int, group: int, buffer_bytes: int, timeout_s: float) -> dict:
+    """The `/init_weight_transfer_engine` payload of vLLM's NCCL engine family (packed mode, its
+    buffer geometry), with the group (pipeline stage) our engines key their groups by and the
+    sync timeout that bounds the replica's receive."""
     # NOTE: vLLM is imported here, not at the top: only the sender of a broadcast transport needs
     # it, and importing it costs seconds (and CUDA probing) on every learner rank
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
 
-    return worker_init_payload(NCCLWeightTransferInitInfo(master_address=address, master_port=port, rank_offset=1,
-                                                          world_size=world_size, packed=False)) | {"group": group}
+    return worker_init_payload(NCCLWeightTransferInitInfo(
+        master_address=address, master_port=port, rank_offset=1, world_size=world_size, packed=True,
+        packed_buffer_size_bytes=buffer_bytes, packed_num_buffers=NUM_BUFFERS)) | {"group": group, "timeout_s": timeout_s}
 
 
 class BroadcastSender:
@@ -274,7 +411,8 @@ class BroadcastSender:
                 f"rollout.replica_tp={workers}")
         address = self._address[url]
         port = self.base_port + self.stage * len(self._index) + i if self.base_port else free_port(address)
-        joined = self._pool.submit(client.init_weight_transfer, _vllm_init_info(address, port, 1 + workers, self.stage))
+        joined = self._pool.submit(client.init_weight_transfer,
+                                   _vllm_init_info(address, port, 1 + workers, self.stage, self.bucket_bytes, self.timeout_s))
         opened = self._pool.submit(self.wire.open, address, port, 1 + workers, self.timeout_s)
         steps: list[Future[Any]] = [joined, opened]  # the replica's refusal first: it says why
         wait(steps, timeout=self.timeout_s, return_when=FIRST_EXCEPTION)
@@ -289,7 +427,8 @@ class BroadcastSender:
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], urls: Sequence[str] | None = None,
              keep: bool = False) -> PushResult:
-        """Stream the tensors into the open update of each replica in `urls` (None: all)."""
+        """Stream the tensors into the open update of each replica in `urls` (None: all): one
+        `/update_weights` per replica, the stage's tensors packed by vLLM's producer."""
         t0 = time.perf_counter()
         failed: dict[str, str] = {}
         live = []
@@ -302,57 +441,21 @@ class BroadcastSender:
                 raise
             except Exception as e:  # noqa: BLE001 - reported; the replica is left out of this push
                 failed[url] = f"forming its {self.wire.transport} group: {e!r}"
-        num_buckets = nbytes = 0
-        send_s = 0.0
-        for bucket in group_by_cap(named_tensors, self.bucket_bytes):  # drained even with no replica left
-            num_buckets += 1
-            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            if not live:
-                continue
-            t = time.perf_counter()
-            for url, reason in self._send_bucket(bucket, live, keep).items():
-                failed[url] = reason
-                live.remove(url)
-                self.forget([url])
-            send_s += time.perf_counter() - t
-        return PushResult(bytes=nbytes, replicas=len(live), buckets=num_buckets, seconds=time.perf_counter() - t0,
-                          send_seconds=send_s, failed=failed, carriers=[self.wire.transport])
-
-    def _send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]], urls: Sequence[str], keep: bool) -> dict[str, str]:
-        """One bucket into every replica of `urls` -> {url: why it failed} for those it did not reach."""
-        info = update_info(bucket, keep=keep, group=self.stage)
-        tensors = [t.contiguous() for _, t in bucket]  # kept referenced until every replica has them
-        receiving = {u: self._pool.submit(self._clients[u].update_weights, info) for u in urls}
-        sending: dict[str, Callable[[], bool]] = {}
-        for url in urls:
-            if not (receiving[url].done() and receiving[url].exception()):  # refused before any broadcast
-                sending[url] = self._channels[url].send(tensors)
-        failed: dict[str, str] = {}
-        pending = set(urls)
-        deadline = time.monotonic() + self.timeout_s
-        while pending:
-            if answering := [receiving[u] for u in pending if not receiving[u].done()]:
-                wait(answering, timeout=0.01, return_when=FIRST_COMPLETED)
-            else:  # every call answered; the last broadcasts are finishing
-                time.sleep(0.001)
-            for url in list(pending):
-                try:
-                    if receiving[url].done():
-                        receiving[url].result()  # the replica's error, if it failed
-                        if sending[url]():  # answered and every tensor sent: done
-                            pending.discard(url)
-                    else:
-                        sending[url]()  # a broken group fails here, before the call times out
-                except Exception as e:  # noqa: BLE001 - the replica is dropped from this push
-                    failed[url] = str(e) or repr(e)
-                    pending.discard(url)
-                    # its group aborted now, not after the bucket: on NCCL every replica's broadcasts
-                    # share the learner's stream, and one to a failed peer holds those queued after it
-                    self._channels.pop(url).destroy()
-            if pending and time.monotonic() > deadline:
-                failed.update({u: f"bucket not received within {self.timeout_s:.0f} s" for u in pending})
-                break
-        return failed
+        info = update_info([], keep=keep, group=self.stage)  # the manifest comes in-band, buffer by buffer
+        answers = {u: self._pool.submit(self._clients[u].update_weights, info) for u in live}
+        device = torch.device("cuda", torch.cuda.current_device()) if self.wire.transport == "nccl" else torch.device("cpu")
+        fanout = Fanout({u: self._channels[u] for u in live}, answers, buffer_bytes=self.bucket_bytes,
+                        timeout_s=self.timeout_s, keep=keep, group=self.stage, device=device)
+        vllm_plugin.packed_tensor().packed_nccl_broadcast_producer(  # drains the stream even with no replica left
+            iterator=fanout.items(named_tensors), group=fanout, src=0, post_iter_func=fanout.record,
+            buffer_size_bytes=self.bucket_bytes, num_buffers=NUM_BUFFERS)
+        fanout.finish()
+        for url, reason in fanout.failed.items():
+            failed[url] = reason
+            self._channels.pop(url, None)  # destroyed by the fanout
+        return PushResult(bytes=fanout.bytes, replicas=len(fanout.channels), buckets=fanout.buffers,
+                          calls=1 if live else 0, seconds=time.perf_counter() - t0, send_seconds=fanout.wait_seconds,
+                          failed=failed, carriers=[self.wire.transport])
 
     def close(self) -> None:
         self.forget(list(self._channels))
