@@ -60,6 +60,7 @@ import socket
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 from urllib.parse import urlparse
 
@@ -72,12 +73,22 @@ from megatron_async.weights import vllm_plugin
 from megatron_async.weights.update import PushResult, WeightSyncError
 
 
+class Sending(Protocol):
+    """One `Channel.send` in flight."""
+
+    def __call__(self) -> bool:
+        """True once every tensor was sent; raises if the group failed."""
+
+    def started(self) -> bool:
+        """Whether the work queued before these broadcasts is done, so that they can run (on NCCL
+        every group's broadcasts share the learner's stream; a gloo group's run on their own)."""
+
+
 class Channel(Protocol):
     """The sender's end (rank 0) of one replica's group."""
 
-    def send(self, tensors: Sequence[torch.Tensor]) -> Callable[[], bool]:
-        """Enqueue the broadcast of `tensors` in order; the returned poll is True once they were
-        sent and raises if the group failed."""
+    def send(self, tensors: Sequence[torch.Tensor]) -> Sending:
+        """Enqueue the broadcast of `tensors` in order."""
 
     def destroy(self) -> None:
         """End the group now, without blocking, even with a broadcast in flight."""
@@ -110,16 +121,32 @@ class NcclChannel:
     def __init__(self, communicator):
         self.communicator = communicator
 
-    def send(self, tensors: Sequence[torch.Tensor]) -> Callable[[], bool]:
+    def send(self, tensors: Sequence[torch.Tensor]) -> "EventSending":
         stream = torch.cuda.current_stream()
+        ready = torch.cuda.Event()  # the work queued before these broadcasts is done
+        ready.record(stream)
         for tensor in tensors:
             self.communicator.broadcast(tensor, src=0, stream=stream)
         sent = torch.cuda.Event()
         sent.record(stream)
-        return sent.query
+        return EventSending(ready, sent)
 
     def destroy(self) -> None:
         self.communicator.destroy()  # ncclCommAbort, in a daemon thread joined for at most 5 s
+
+
+class EventSending:
+    """NCCL broadcasts on a stream, between two events. NOTE: `Event.query` never raises: a hung peer
+    shows only as a deadline passed (weights/broadcast.py `Fanout`)."""
+
+    def __init__(self, ready: torch.cuda.Event, sent: torch.cuda.Event):
+        self.ready, self.sent = ready, sent
+
+    def __call__(self) -> bool:
+        return self.sent.query()
+
+    def started(self) -> bool:
+        return self.ready.query()
 
 
 class GlooWire:
@@ -168,19 +195,11 @@ class GlooCommunicator:
         if staged is not tensor:
             tensor.copy_(staged)
 
-    def send(self, tensors: Sequence[torch.Tensor]) -> Callable[[], bool]:
-        """Rank 0: start broadcasting `tensors` in order and return at once; the returned poll is
-        True once all were sent, and raises if the group failed (a peer closed it or timed out)."""
+    def send(self, tensors: Sequence[torch.Tensor]) -> "WorkSending":
+        """Rank 0: start broadcasting `tensors` in order and return at once."""
         works = [self.group.broadcast(t.detach().to("cpu").contiguous(), 0) for t in tensors]
-        self._in_flight = works
-
-        def sent() -> bool:
-            if not all(w.is_completed() for w in works):
-                return False
-            for w in works:
-                w.wait()  # raises the failure of a completed-with-error broadcast
-            return True
-        return sent
+        self._in_flight = [w for w in self._in_flight if not w.is_completed()] + works
+        return WorkSending(works)
 
     def destroy(self) -> None:
         """End the group without blocking. NOTE (torch 2.13): gloo's `abort()` does not interrupt a
@@ -204,6 +223,23 @@ class GlooCommunicator:
             del group  # the group's last reference: dropped in this thread
 
         threading.Thread(target=release, name="gloo-release", daemon=True).start()
+
+
+class WorkSending:
+    """Gloo broadcasts: asynchronous work of their own group, which can run at once."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def __call__(self) -> bool:
+        if not all(w.is_completed() for w in self.works):
+            return False
+        for w in self.works:
+            w.wait()  # raises the failure of a completed-with-error broadcast
+        return True
+
+    def started(self) -> bool:
+        return True
 
 
 def make_wire(transport: str) -> Wire:
@@ -235,6 +271,15 @@ def header_tensors(header: dict | None, device: torch.device) -> list[torch.Tens
             torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)]
 
 
+@dataclass
+class Sent:
+    """One buffer in flight to one replica."""
+
+    sending: Sending
+    tensors: list[torch.Tensor]  # referenced until sent
+    started_at: float | None = None  # when its broadcasts could start (`Sending.started` first seen True)
+
+
 class Fanout:
     """The communicator vLLM's packed producer (`packed_nccl_broadcast_producer`) broadcasts on:
     each packed buffer goes to every live replica's channel, preceded by its manifest (`header_tensors`:
@@ -244,12 +289,18 @@ class Fanout:
     The producer packs a buffer while the previous ones are in flight; `broadcast` then waits
     until at most `NUM_BUFFERS - 1` buffers per replica are unfinished (on CUDA the producer's
     streams already order them: this bounds the waits; on a host, whose slots are no-ops, it is the
-    double buffering). A replica is dropped (`failed`, its group destroyed at once, the others go
-    on) when its call answers an error, its broadcast fails, or a buffer of it is not done within
-    `timeout_s` of being enqueued. Why the manifest travels in-band and not in the call: the
-    stage's stream is produced lazily (TP gathers) and a delta's tensors have data-dependent sizes,
-    so it is known only as it is packed; vLLM's consumer takes its manifest as an iterator, which
-    the replica feeds from these headers (weights/engines.py)."""
+    double buffering). A replica is dropped (`failed`; the others go on) when its call answers an
+    error, its broadcast fails, or a buffer of it is not sent within `timeout_s` of when its
+    broadcasts could start (on NCCL, once the replicas queued before it on the stream are done:
+    one slow replica does not spend the others' time). A dropped replica's group is destroyed once
+    the work queued before its broadcasts is done (at once on gloo): aborting an NCCL communicator
+    whose kernels still wait behind live replicas' on the stream is undefined. If that never comes,
+    every group of the push is aborted (`finish`).
+
+    Why the manifest travels in-band and not in the call: the stage's stream is produced lazily
+    (TP gathers) and a delta's tensors have data-dependent sizes, so it is known only as it is
+    packed; vLLM's consumer takes its manifest as an iterator, which the replica feeds from these
+    headers (weights/engines.py)."""
 
     def __init__(self, channels: dict[str, Channel], answers: dict[str, Future], *, buffer_bytes: int,
                  timeout_s: float, keep: bool, group: int, device: torch.device):
@@ -259,7 +310,9 @@ class Fanout:
         self.bytes = self.buffers = 0
         self.wait_seconds = 0.0
         self._chunk: list[tuple[str, torch.Tensor]] = []  # the buffer being packed: (name, a meta tensor of its shape)
-        self._sent: dict[str, list[tuple[Callable[[], bool], float, list[torch.Tensor]]]] = {u: [] for u in channels}
+        self._sent: dict[str, list[Sent]] = {u: [] for u in channels}
+        self._doomed: dict[str, tuple[Channel, Sent | None]] = {}  # dropped, destroyed once its last send started
+        self._doomed_at: dict[str, float] = {}  # ... since when
         self._expects_header = True  # the replicas read another header before the stream ends
 
     def record(self, item: tuple[str, torch.Tensor]) -> torch.Tensor:
@@ -285,8 +338,8 @@ class Fanout:
         self._settle(in_flight=0 if last else NUM_BUFFERS - 1)
 
     def finish(self) -> None:
-        """After the producer: end the stream where the replicas expect another header, then wait
-        for every replica's answer (bounded)."""
+        """After the producer: end the stream where the replicas expect another header, wait for
+        every replica's answer (bounded), and destroy the dropped replicas' groups."""
         if self._expects_header:
             self._send(header_tensors(None, self.device))
         self._settle(in_flight=0)
@@ -299,16 +352,36 @@ class Fanout:
                 break
             wait([self.answers[u] for u in pending], timeout=0.05, return_when=FIRST_COMPLETED)
         for url in list(self.channels):
-            if (error := self.answers[url].exception()) is not None:
-                self._fail(url, str(error) or repr(error))
+            self._answered_error(url)
+        self._destroy_doomed()
+        if self._doomed:  # work queued before a dropped group never finished
+            self._abort_all("aborted with the push's other groups: a dropped replica's group could not be destroyed "
+                            "alone (work queued before it never finished)")
         self.wait_seconds += time.perf_counter() - t
+
+    def _stuck_behind_doomed(self, busy: list[str], now: float) -> bool:
+        """No busy replica's broadcasts could start, and a dropped group has waited `timeout_s` to be
+        destroyed: the stream is held by that group's own broadcasts (a peer that went away)."""
+        return not any(self._sent[u][0].started_at is not None for u in busy) and any(
+            now > since + self.timeout_s for since in self._doomed_at.values())
+
+    def _abort_all(self, reason: str) -> None:
+        """Every group of this push destroyed now (their next push forms them again)."""
+        for url in list(self.channels):
+            self.failed[url] = reason
+            self._doomed[url] = (self.channels.pop(url), None)
+            self._sent.pop(url, None)
+        for channel, _ in self._doomed.values():
+            channel.destroy()
+        self._doomed.clear()
+        self._doomed_at.clear()
 
     def _send(self, tensors: list[torch.Tensor]) -> None:
         for url in list(self.channels):
             if self._answered_error(url):
                 continue
             try:
-                self._sent[url].append((self.channels[url].send(tensors), time.monotonic(), tensors))
+                self._sent[url].append(Sent(self.channels[url].send(tensors), tensors))
             except Exception as e:  # noqa: BLE001 - the replica is dropped from this push
                 self._fail(url, str(e) or repr(e))
 
@@ -317,22 +390,31 @@ class Fanout:
         t = time.perf_counter()
         while True:
             busy = []
+            now = time.monotonic()
             for url in list(self.channels):
                 if self._answered_error(url):
                     continue
                 sent = self._sent[url]
                 try:
-                    while sent and sent[0][0]():
+                    while sent and sent[0].sending():
                         sent.pop(0)
                 except Exception as e:  # noqa: BLE001 - its group failed (the peer closed it, or its timeout)
                     self._fail(url, str(e) or repr(e))
                     continue
-                if len(sent) > in_flight:
-                    if time.monotonic() > sent[0][1] + self.timeout_s:
-                        self._fail(url, f"buffer not received within {self.timeout_s:.0f} s")
-                    else:
-                        busy.append(url)
+                if len(sent) <= in_flight:
+                    continue
+                if sent[0].started_at is None and sent[0].sending.started():
+                    sent[0].started_at = now
+                if sent[0].started_at is not None and now > sent[0].started_at + self.timeout_s:
+                    self._fail(url, f"buffer not received within {self.timeout_s:.0f} s of when it could start")
+                else:
+                    busy.append(url)
+            self._destroy_doomed()
             if not busy:
+                break
+            if self._stuck_behind_doomed(busy, now):
+                self._abort_all("aborted with the push's other groups: their broadcasts were queued behind a dropped "
+                                f"replica's, which did not end within {self.timeout_s:.0f} s")
                 break
             answering = [self.answers[u] for u in busy if not self.answers[u].done()]
             if answering:
@@ -349,11 +431,19 @@ class Fanout:
         return False
 
     def _fail(self, url: str, reason: str) -> None:
-        """Drop `url` from this push; its group aborted now: on NCCL every replica's broadcasts share
-        the producer's streams, and one to a failed peer holds those queued after it."""
+        """Drop `url` from this push; its group is destroyed once the work queued before its last
+        broadcasts is done."""
         self.failed[url] = reason
-        self._sent.pop(url, None)
-        self.channels.pop(url).destroy()
+        sent = self._sent.pop(url, [])
+        self._doomed[url] = (self.channels.pop(url), sent[-1] if sent else None)
+        self._doomed_at[url] = time.monotonic()
+        self._destroy_doomed()
+
+    def _destroy_doomed(self) -> None:
+        for url, (channel, last) in list(self._doomed.items()):
+            if last is None or last.sending.started():
+                del self._doomed[url], self._doomed_at[url]
+                channel.destroy()
 
 
 def address_towards(url: str) -> str:
@@ -392,7 +482,7 @@ class BroadcastSender:
         self._address = {u: address or address_towards(u) for u in urls}
         self._clients = {u: ReplicaClient(u, key, timeout_s=timeout_s, label=f"replica {i}") for i, u in enumerate(urls)}
         self._channels: dict[str, Channel] = {}  # url -> this end of its group, formed by `_connect`
-        # per replica: its /update_weights call, or its init call beside this end's rendezvous
+        # per replica: its /update_weights call (bounded by its HTTP timeout), and one of a push before it
         self._pool = ThreadPoolExecutor(max_workers=2 * len(urls), thread_name_prefix=f"{wire.transport}-sync")
 
     def forget(self, urls: Iterable[str]) -> None:
@@ -411,9 +501,11 @@ class BroadcastSender:
                 f"rollout.replica_tp={workers}")
         address = self._address[url]
         port = self.base_port + self.stage * len(self._index) + i if self.base_port else free_port(address)
-        joined = self._pool.submit(client.init_weight_transfer,
+        # on daemon threads, not the pool: NCCL's ncclCommInitRank has no timeout, and a thread left
+        # inside it must neither take a pool thread for good nor be joined at exit
+        joined = on_daemon_thread(client.init_weight_transfer,
                                    _vllm_init_info(address, port, 1 + workers, self.stage, self.bucket_bytes, self.timeout_s))
-        opened = self._pool.submit(self.wire.open, address, port, 1 + workers, self.timeout_s)
+        opened = on_daemon_thread(self.wire.open, address, port, 1 + workers, self.timeout_s)
         steps: list[Future[Any]] = [joined, opened]  # the replica's refusal first: it says why
         wait(steps, timeout=self.timeout_s, return_when=FIRST_EXCEPTION)
         for step in steps:
@@ -462,6 +554,20 @@ class BroadcastSender:
         for client in self._clients.values():
             client.close()
         self._pool.shutdown(wait=False)
+
+
+def on_daemon_thread(fn: Callable[..., Any], *args: Any) -> Future:
+    """`fn(*args)` on a daemon thread of its own -> its future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="weight-sync-formation", daemon=True).start()
+    return future
 
 
 def _destroy_when_open(opened: Future) -> None:
