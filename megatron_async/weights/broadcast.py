@@ -1,6 +1,7 @@
 """The broadcast transport: vLLM's NCCL weight-transfer protocol, on NCCL (GPU) or gloo (any host),
-written top to bottom as a bucket goes: the wires (`Wire`: `NcclWire`, `GlooWire` and the gloo group
-both ends of that wire use, `GlooCommunicator`), then the sender (`BroadcastSender`).
+written top to bottom as a push goes: the wires (`Wire`: `NcclWire`, `GlooWire` and the gloo group
+both ends of that wire use, `GlooCommunicator`), the fan-out vLLM's packed producer broadcasts on
+(`Fanout`), then the sender (`BroadcastSender`).
 
     sender = BroadcastSender(pool.urls, pool.key, wire=make_wire("gloo"), replica_tp=1, timeout_s=120, bucket_bytes=...)
     result = sender.push(iter_hf_weights(...), urls=opened)      # between begin_update and finish_update
@@ -12,12 +13,13 @@ sender (its TP rank 0 of DP rank 0, weights/update.py), and each sender one grou
 the sender is rank 0, the replica's workers ranks 1..W-1 (vLLM's `rank_offset` 1; W - 1 is the
 replica's TP x PP, asked of the server, `/get_world_size`, and refused unless it equals
 rollout.replica_tp). A replica's engine holds its groups side by side, one per stage (`group` =
-the stage, in the init call and in every bucket's `/update_weights`). We drive it as vLLM's
+the stage, in the init call and in each push's `/update_weights` and buffer headers). We drive it as vLLM's
 trainer-side engine (`NCCLTrainerWeightTransferEngine`) does, keeping the pool's phases
 (`ReplicaPool.begin_update` / `finish_update`, run by weights/update.py):
-- one `/update_weights` per bucket (its names, dtypes, shapes, group), sent while the bucket's
-  tensors are broadcast one by one (vLLM's unpacked mode); the worker loads each through
-  layerwise reload as it arrives, and the sender holds one bucket at a time;
+- one `/update_weights` per stage per push (its group; no names), while vLLM's
+  `packed_nccl_broadcast_producer` packs the stage's tensors into buffers of `bucket_bytes`,
+  double-buffered, each preceded by its manifest (a JSON header: `Fanout` says why in-band); the
+  replica runs vLLM's packed consumer and loads each buffer through layerwise reload;
 - the groups persist: formed at a replica's first push (`/init_weight_transfer_engine` while
   this process opens its end, a TCP store rendezvous at `address:port`), formed again only for a
   replica whose push failed or that restarted (`forget`; the replica's engine replaces its old
@@ -27,31 +29,30 @@ Why a group per stage, side by side, and not the stages in turn through one grou
 for vLLM's stock engine, which keeps one receiving communicator): a broadcast has one source, so
 one group serves one stage at a time, and in turn every stage but the first waits for the one
 before it and forms its group again at each sync (a rendezvous per stage per sync). Side by side,
-the stages stream at once: the replica still loads one bucket at a time (its engine serves one
+the stages stream at once: the replica still loads one buffer at a time (its engine serves one
 `/update_weights` after the other), but each stage's gathers, casts and sends overlap the others'
 loading, and no group is formed after the first sync. Argued from the protocol, not measured
 against the other (docs/replicas-and-weight-sync.md, "Pipeline-parallel learners").
 
 Only the communicator differs between the wires (`Wire`: NcclWire = vLLM's PyNccl, GlooWire =
-`GlooCommunicator`): group formation, the rank layout, the bucket protocol, re-forming, timeouts
+`GlooCommunicator`): group formation, the rank layout, the packed protocol, re-forming, timeouts
 and failure handling are this module's code for both. CI runs it over gloo against real vLLM CPU
 replicas; the CUDA communicator alone runs on GPUs only.
 
 Every wait is bounded by `timeout_s`:
 - forming a group: the replica's init call and this end's rendezvous are awaited together, so a
   replica that refuses init fails at once, not at the store's timeout;
-- a bucket: the broadcasts to every replica are enqueued (NCCL: on the learner's current stream;
-  gloo: asynchronous work), then each replica's completion and its `/update_weights` answer are
-  polled until the deadline. A replica whose call fails has its group aborted at once, inside
-  the poll (ncclCommAbort ends a broadcast kernel waiting for a dead peer, which on NCCL would
-  hold every replica's broadcasts queued after it on the one stream); one that misses the
-  deadline is aborted then. Either is dropped from the push (`PushResult.failed`). CI runs this
-  over gloo, whose work is per group: that a replica queued behind a failed one on the CUDA
-  stream completes in time is the GPU run's to show.
+- a buffer: its broadcasts to every replica are enqueued (NCCL: on the producer's stream;
+  gloo: asynchronous work), and each replica is polled on its own (`Fanout`: its answer, its
+  channel, its deadline counted from when its broadcasts can start); a replica that fails is
+  dropped from the push (`PushResult.failed`), its group destroyed once the work queued before it
+  is done. CI runs this over gloo, whose work is per group, and with stand-in channels for the
+  stream's order (tests/test_broadcast_fanout.py); the CUDA stream itself is the GPU run's to show;
+- forming a group runs on daemon threads (NCCL's init has no timeout: given up, never joined).
 
 Ports: stage s's group with replica i rendezvous at `base_port + s * len(urls) + i` (or a free
 port when `base_port` is 0). Replicas are served one after the other on one stream (one group
-each): sync time grows with replicas.
+each): sync time grows with replicas (one group per node: issue 42 item 2, not built).
 """
 from __future__ import annotations
 
@@ -250,7 +251,8 @@ def make_wire(transport: str) -> Wire:
 
 
 def update_info(bucket: Sequence[tuple[str, torch.Tensor]], keep: bool = False, group: int = 0) -> dict:
-    """vLLM's `NCCLWeightTransferUpdateInfo` of one bucket, as the JSON `/update_weights` takes;
+    """vLLM's `NCCLWeightTransferUpdateInfo` of some tensors, as JSON: a buffer's header (`Fanout`),
+    or with none the stage's `/update_weights`;
     `keep`: the replica keeps what it loads, the base of the next delta (weights/delta.py);
     `group`: the pipeline stage whose group carries the tensors (weights/engines.py)."""
     return {"names": [name for name, _ in bucket],
@@ -472,7 +474,7 @@ def _vllm_init_info(address: str, port: int, world_size: int, group: int, buffer
 
 
 class BroadcastSender:
-    """One pipeline stage's sender rank's groups with the replicas, and the bucket stream over them."""
+    """One pipeline stage's sender rank's groups with the replicas, and the packed stream over them."""
 
     def __init__(self, urls: Sequence[str], key: str, *, wire: Wire, replica_tp: int, timeout_s: float,
                  bucket_bytes: int, address: str = "", base_port: int = 0, stage: int = 0):

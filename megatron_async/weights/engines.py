@@ -54,9 +54,14 @@ what a long run needs of it:
   at once (weights/broadcast.py says why this and not the stages in turn);
 - a group formed again (a failed push, a re-formed sender) replaces the old one of its stage,
   destroyed, instead of leaking it (vLLM's `init_transfer_engine` overwrites it);
-- buckets come unpacked (one broadcast per tensor, vLLM's non-packed mode): the receive loop is
-  vLLM's unpacked branch; with `keep` (delta sync) a received tensor is copied to the host first,
-  so that the kept copy is in host memory on a GPU replica too.
+- a stage's push is one `update_weights` received by vLLM's `packed_nccl_broadcast_consumer`, its
+  manifest read in-band from the header before each buffer (`inband_manifest`; a group formed
+  with packed=False is received as vLLM's unpacked mode, one broadcast per tensor); with `keep`
+  (delta sync) a received tensor is copied to the host first, so that the kept copy is in host
+  memory on a GPU replica too;
+- the receive is bounded: a gloo group's timeout is the sender's sync timeout (`timeout_s` in the
+  init call), and on CUDA a `Watchdog` aborts the group after it without progress; a receive that
+  fails drops its group (the sender's next push forms it again), so the engine is never wedged.
 `mas_gloo` (`MasGlooEngine`) is the same class with one change: its group is weights/broadcast.py's
 `GlooCommunicator` instead of vLLM's PyNccl one (and so no CUDA stream is passed).
 """
