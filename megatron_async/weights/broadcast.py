@@ -506,7 +506,8 @@ class BroadcastSender:
         # on daemon threads, not the pool: NCCL's ncclCommInitRank has no timeout, and a thread left
         # inside it must neither take a pool thread for good nor be joined at exit
         joined = on_daemon_thread(client.init_weight_transfer,
-                                   _vllm_init_info(address, port, 1 + workers, self.stage, self.bucket_bytes, self.timeout_s))
+                                   _vllm_init_info(address, port, 1 + workers, self.stage, self.bucket_bytes,
+                                                   self.timeout_s))
         opened = on_daemon_thread(self.wire.open, address, port, 1 + workers, self.timeout_s)
         steps: list[Future[Any]] = [joined, opened]  # the replica's refusal first: it says why
         wait(steps, timeout=self.timeout_s, return_when=FIRST_EXCEPTION)

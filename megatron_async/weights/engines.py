@@ -247,7 +247,8 @@ class BroadcastUpdateInfo(NCCLWeightTransferUpdateInfo):
     group: int = 0  # the group (learner pipeline stage) the tensors come over
 
 
-def inband_manifest(group: Any, device: torch.device, kick: Callable[[], None]) -> Iterator[tuple[str, tuple[list[int], torch.dtype]]]:
+def inband_manifest(group: Any, device: torch.device,
+                    kick: Callable[[], None]) -> Iterator[tuple[str, tuple[list[int], torch.dtype]]]:
     """The manifest vLLM's packed consumer iterates, read from the headers the sender broadcasts
     before each buffer (weights/broadcast.py `header_tensors`): a JSON length, then the JSON of
     the buffer's names, dtypes, shapes and whether it is the last; a length of 0 ends the stream."""
@@ -328,9 +329,9 @@ class MasNcclEngine(MasEngine, NCCLWeightTransferEngine):
         if (group := self.groups.get(update_info.group)) is None:
             raise RuntimeError(f"weight transfer group {update_info.group} not formed (groups formed: "
                                f"{sorted(self.groups)}): call init_transfer_engine first")
-        init = self.group_infos.get(update_info.group)
+        init = self.group_infos[update_info.group]
         try:
-            if init is not None and init.packed:
+            if init.packed:
                 self.receive_packed(group, init, update_info.keep)
             else:
                 self.receive_unpacked(group, update_info)
