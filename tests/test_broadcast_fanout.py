@@ -151,3 +151,49 @@ def test_group_formation_that_never_returns_is_given_up_at_its_bound_on_daemon_t
         assert len(stuck) == 2 and all(t.daemon for t in stuck)  # never joined at exit, no pool thread taken
     finally:
         sender.close()
+
+
+def stream_of(sizes: list[int]) -> list[tuple[str, torch.Tensor]]:
+    """Tensors of these many elements, alternating float32 / bfloat16 / int32, distinct values."""
+    dtypes = [torch.float32, torch.bfloat16, torch.int32]
+    return [(f"t{i}", torch.arange(n).to(dtypes[i % 3]) + i) for i, n in enumerate(sizes)]
+
+
+@pytest.mark.integration  # in-process over a real gloo group, with vLLM's producer and consumer
+@pytest.mark.parametrize("sizes", [[], [4, 4], [4, 4, 10], [40], [2, 30, 4, 8, 16, 2]],
+                         ids=["empty", "one-buffer", "last-buffer-full", "over-the-cap", "several"])
+def test_vllms_packed_buffers_with_inband_headers_arrive_whole_and_in_order(sizes):
+    """The wire end to end in one process: vLLM's packed producer over a `Fanout` into one gloo
+    group, vLLM's packed consumer at the other end reading the in-band headers; every stream
+    shape that decides where the stream ends (no tensor; the last buffer under the cap; the last
+    buffer full, so an end header follows; a tensor larger than a buffer)."""
+    from megatron_async.rollout.launcher import free_port
+    from megatron_async.weights import vllm_plugin
+    from megatron_async.weights.broadcast import NUM_BUFFERS, GlooCommunicator, on_daemon_thread
+    from megatron_async.weights.engines import inband_manifest
+
+    port = free_port("127.0.0.1")
+    cpu = torch.device("cpu")
+    packed = vllm_plugin.packed_tensor()
+    loaded: list[tuple[str, torch.Tensor]] = []
+
+    def replica() -> None:
+        group = GlooCommunicator.join("127.0.0.1", port, 1, 2, 30)
+        packed.packed_nccl_broadcast_consumer(
+            iterator=inband_manifest(group, cpu, lambda: None), group=group, src=0,
+            post_unpack_func=lambda named: loaded.extend((n, t.clone()) for n, t in named),
+            buffer_size_bytes=BUFFER, num_buffers=NUM_BUFFERS, device=cpu)
+        group.destroy()
+
+    answer = on_daemon_thread(replica)
+    channel = GlooCommunicator.join("127.0.0.1", port, 0, 2, 30)
+    tensors = stream_of(sizes)
+    f = Fanout({"r": channel}, {"r": answer}, buffer_bytes=BUFFER, timeout_s=30, keep=False, group=0, device=cpu)
+    packed.packed_nccl_broadcast_producer(iterator=f.items(iter(tensors)), group=f, src=0, post_iter_func=f.record,
+                                          buffer_size_bytes=BUFFER, num_buffers=NUM_BUFFERS)
+    f.finish()
+    channel.destroy()
+    assert not f.failed and answer.result() is None, f.failed
+    assert [n for n, _ in loaded] == [n for n, _ in tensors]
+    for (_, got), (_, sent) in zip(loaded, tensors):
+        assert got.dtype == sent.dtype and torch.equal(got, sent)
