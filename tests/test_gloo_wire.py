@@ -143,7 +143,8 @@ def test_a_replica_killed_inside_a_bucket_is_dropped_restarted_and_served_again(
     check_serves(gloo_pool, tiny_models[2], version)
 
 
-def test_a_replica_whose_sender_process_dies_mid_push_frees_itself_and_takes_the_next_push(gloo_pool, tiny_models):
+def test_a_replica_whose_sender_process_dies_mid_push_frees_itself_and_takes_the_next_push(gloo_pool, sender,
+                                                                                          tiny_models):
     """The sender's process is SIGKILLed inside a push: the replica's receive fails (its gloo peer is
     gone; at the latest the group's timeout, the sync timeout it was given), it aborts its group,
     answers, and frees its engine: /health answers, the update closes, and the next push (a new
