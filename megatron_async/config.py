@@ -101,6 +101,14 @@ def model_dtype(model: "ModelConfig", cuda: bool | None = None) -> tuple[str, st
 replica_dtype = model_dtype  # the name rollout/, weights/ and run/ call it by, for the replicas
 
 
+def sync_bucket_bytes(setting: int | str, transport: str) -> int:
+    """rollout.sync_bucket_mb -> bytes: auto is vLLM's packed buffer (1 GiB) over nccl / gloo, where
+    the buffers of a stage go in one call, and 64 MiB over shm / http, one call per bucket."""
+    if setting != "auto":
+        return int(setting) << 20
+    return (1024 if transport in BROADCAST_TRANSPORTS else 64) << 20
+
+
 def weight_transport(cfg: "Config", cuda: bool | None = None) -> tuple[str, str]:
     """`rollout.weight_transport` -> (the transport, why); "auto" stays "auto" where it means host
     memory (shm or http per replica, weights/host_memory.carrier_for). The learner's senders
@@ -252,7 +260,9 @@ class RolloutConfig:
         "auth token; generated when empty; required if host is not loopback. When empty, read from "
         "$MEGATRON_ASYNC_ROLLOUT_TOKEN (launch scripts use it: a command line is visible in `ps`)")
     max_replica_failures: int = opt(3, "restarts (or, for replica_urls, losses) per replica before the run stops")
-    sync_bucket_mb: int = opt(64, "weight sync bucket cap (MB)")
+    sync_bucket_mb: int | Literal["auto"] = opt("auto",
+        "weight sync buffer cap (MiB): shm/http bucket per /update_weights call; nccl/gloo packed buffer, "
+        "double-buffered, all of a stage in one call. auto = 64 for shm/http, 1024 for nccl/gloo")
     sync_timeout_s: float = opt(120.0, "a weight sync slower than this fails loudly")
     sync_full_every: int | Literal["auto"] = opt("auto",
         "0 = every weight sync sends every weight; N >= 2 = delta sync: send only the elements that changed "
@@ -618,7 +628,8 @@ def validate(cfg: Config) -> None:
     _require(0 < r.temperature <= 10, "rollout.temperature", r.temperature, "sampling needs 0 < temperature <= 10")
     _require(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
     _require(r.kv_cache_gib > 0, "rollout.kv_cache_gib", r.kv_cache_gib, "vLLM on CPU needs a KV cache size > 0")
-    _require(r.sync_bucket_mb >= 1, "rollout.sync_bucket_mb", r.sync_bucket_mb, "must be >= 1")
+    _require(r.sync_bucket_mb == "auto" or (isinstance(r.sync_bucket_mb, int) and r.sync_bucket_mb >= 1),
+             "rollout.sync_bucket_mb", r.sync_bucket_mb, "must be auto or >= 1")
     _require(r.startup_timeout_s > 0, "rollout.startup_timeout_s", r.startup_timeout_s,
              "must be > 0 (seconds a replica may take to start)")
     _require(t.logits_chunk_mb >= 0, "trainer.logits_chunk_mb", t.logits_chunk_mb, "must be >= 0 (0 = whole logits)")

@@ -214,3 +214,21 @@ def max_logprob_diff(model_dir: Path, records) -> float:
     """Largest |vLLM - transformers| over all sampled tokens of all records."""
     ref = hf_logprobs(model_dir, records)
     return max(abs(a - b) for r, lp in zip(records, ref) for a, b in zip(r.logprobs, lp))
+
+
+def push_then_die(url: str, key: str, model_dir: str, die_at_tensor: int, timeout_s: float) -> None:
+    """A sender process's gloo push of `model_dir` into the open update of the replica at `url`,
+    SIGKILLed by itself when its stream reaches tensor `die_at_tensor` (buffers before it already
+    broadcast): the sender goes away mid-push. Run in a child process (test_gloo_wire)."""
+    from megatron_async.weights.broadcast import BroadcastSender, make_wire
+
+    sender = BroadcastSender([url], key, wire=make_wire("gloo"), replica_tp=1, timeout_s=timeout_s,
+                             bucket_bytes=SMALL_BUCKET)
+
+    def stream():
+        for i, item in enumerate(state_dict(Path(model_dir)).items()):
+            if i == die_at_tensor:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield item
+
+    sender.push(stream())

@@ -11,12 +11,18 @@ shm tests). The tests share one 1-replica pool and push the next version after i
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 from megatron_async.rollout import ReplicaPool, Sampling
+from megatron_async.rollout.replica import ReplicaClient
 from megatron_async.weights.broadcast import BroadcastSender, make_wire
 from megatron_async.weights.update import WeightSyncError, WeightUpdate
 from tests.rollout_fixtures import (
@@ -135,6 +141,31 @@ def test_a_replica_killed_inside_a_bucket_is_dropped_restarted_and_served_again(
     result, published = push(gloo_pool, sender, iter(weights.items()), resync=True)  # its group formed anew
     assert published == [0] and not result.failed, result
     check_serves(gloo_pool, tiny_models[2], version)
+
+
+def test_a_replica_whose_sender_process_dies_mid_push_frees_itself_and_takes_the_next_push(gloo_pool, sender,
+                                                                                          tiny_models):
+    """The sender's process is SIGKILLed inside a push: the replica's receive fails (its gloo peer is
+    gone; at the latest the group's timeout, the sync timeout it was given), it aborts its group,
+    answers, and frees its engine: /health answers, the update closes, and the next push (a new
+    sender, a new group) takes and serves, with no restart of the replica."""
+    pid = gloo_pool.pids()[0]
+    version = gloo_pool.next_version
+    opened = gloo_pool.begin_update(None, "between_batches", TIMEOUT_S)
+    assert opened == [0]
+    child = subprocess.run(
+        [sys.executable, "-c", "import sys; from tests.rollout_fixtures import push_then_die; "
+         "push_then_die(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]))",
+         gloo_pool.urls[0], gloo_pool.key, str(tiny_models[1]), "20", str(TIMEOUT_S)],
+        timeout=TIMEOUT_S * 2, env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)})
+    assert child.returncode == -signal.SIGKILL, child
+    assert gloo_pool.finish_update(version, [], abandoned=opened) == []  # answers: its engine is free
+    with contextlib.closing(ReplicaClient(gloo_pool.urls[0], gloo_pool.key)) as client:
+        assert client.healthy()
+    result, published = push(gloo_pool, sender, iter(state_dict(tiny_models[2]).items()), resync=True)
+    assert published == [0] and not result.failed, result
+    check_serves(gloo_pool, tiny_models[2], version)
+    assert gloo_pool.pids()[0] == pid  # not restarted
 
 
 def test_a_replica_with_another_tp_is_refused_naming_both(gloo_pool, tiny_models):

@@ -116,7 +116,7 @@ def test_the_engine_holds_one_group_per_pipeline_stage_and_receives_each_bucket_
 
     engine = Engine.__new__(Engine)  # vLLM's constructor wants a running model; the groups' logic does not
     engine.groups, engine.device, engine.model = {}, torch.device("cpu"), Model()
-    engine.coverage, engine.deltas = UpdateCoverage(), DeltaDecoder()
+    engine.coverage, engine.deltas, engine.group_infos = UpdateCoverage(), DeltaDecoder(), {}
     info = dict(master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=2)
     engine.init_transfer_engine(BroadcastInitInfo(**info, group=0))
     engine.init_transfer_engine(BroadcastInitInfo(**info, group=1))

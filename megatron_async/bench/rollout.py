@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from megatron_async.cluster.cpu_affinity import pin_learner, replica_pin_env
-from megatron_async.config import BROADCAST_TRANSPORTS, weight_engine
+from megatron_async.config import BROADCAST_TRANSPORTS, sync_bucket_bytes, weight_engine
 from megatron_async.io_utils import atomic_write_text
 from megatron_async.models.tiny import build_tiny_llama, build_tokenizer, default_corpus
 from megatron_async.rollout import ReplicaPool, ReplicaSpec, Sampling
@@ -139,7 +139,7 @@ def measure_syncs(pool: ReplicaPool, sender: WeightSender, transport: str, state
         syncs.append({"transport": transport, "load_avg": load, "seconds": seconds, "push_seconds": m.seconds,
                       "gb_per_s": m.bytes_total / seconds / 1e9, "delta": m.delta, "full_every": full_every,
                       "changed_fraction": args.changed_fraction if version > first_version else None,
-                      **{k: getattr(m, k) for k in ("bytes", "bytes_total", "send_seconds", "buckets")}})
+                      **{k: getattr(m, k) for k in ("bytes", "bytes_total", "send_seconds", "buckets", "calls")}})
     return syncs
 
 
@@ -170,8 +170,8 @@ def bench_model(name: str, model_dir: Path, args) -> dict:
         syncs: list[dict] = []
         for transport in [t for t in args.transports if t not in BROADCAST_TRANSPORTS]:  # this pool's engine: mas_cpu
             for full_every in args.full_every:  # a sender each: its first push is full
-                with HostMemorySender(pool.urls, pool.key, timeout_s=300, bucket_bytes=args.bucket_mb << 20,
-                                      transport=transport) as sender:
+                with HostMemorySender(pool.urls, pool.key, timeout_s=300, transport=transport,
+                                      bucket_bytes=sync_bucket_bytes(args.bucket_mb, transport)) as sender:
                     syncs += measure_syncs(pool, sender, transport, state, args, len(syncs) + 1, full_every)
         result["syncs"] = syncs
     finally:
@@ -185,7 +185,7 @@ def bench_model(name: str, model_dir: Path, args) -> dict:
             version = 1
             for full_every in args.full_every:  # a sender each (its own group): its first push is full
                 broadcast = BroadcastSender(pool.urls, pool.key, wire=make_wire("gloo"), replica_tp=1, timeout_s=300,
-                                            bucket_bytes=args.bucket_mb << 20)
+                                            bucket_bytes=sync_bucket_bytes(args.bucket_mb, "gloo"))
                 try:
                     syncs = measure_syncs(pool, broadcast, "gloo", state, args, version, full_every)
                 finally:
@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--syncs", type=int, default=3)
-    p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--bucket-mb", type=lambda v: v if v == "auto" else int(v), default="auto",
+                   help="bucket / packed buffer cap in MiB (auto: as rollout.sync_bucket_mb=auto, per transport)")
     p.add_argument("--transports", nargs="+", default=["auto"], choices=["auto", "shm", "http", "gloo"],
                    help="weight-sync transports to measure, --syncs pushes each (auto: shm for these local replicas; "
                         "gloo: a second pool of replicas running the broadcast engine)")

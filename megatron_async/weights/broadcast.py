@@ -1,6 +1,7 @@
 """The broadcast transport: vLLM's NCCL weight-transfer protocol, on NCCL (GPU) or gloo (any host),
-written top to bottom as a bucket goes: the wires (`Wire`: `NcclWire`, `GlooWire` and the gloo group
-both ends of that wire use, `GlooCommunicator`), then the sender (`BroadcastSender`).
+written top to bottom as a push goes: the wires (`Wire`: `NcclWire`, `GlooWire` and the gloo group
+both ends of that wire use, `GlooCommunicator`), the fan-out vLLM's packed producer broadcasts on
+(`Fanout`), then the sender (`BroadcastSender`).
 
     sender = BroadcastSender(pool.urls, pool.key, wire=make_wire("gloo"), replica_tp=1, timeout_s=120, bucket_bytes=...)
     result = sender.push(iter_hf_weights(...), urls=opened)      # between begin_update and finish_update
@@ -12,12 +13,13 @@ sender (its TP rank 0 of DP rank 0, weights/update.py), and each sender one grou
 the sender is rank 0, the replica's workers ranks 1..W-1 (vLLM's `rank_offset` 1; W - 1 is the
 replica's TP x PP, asked of the server, `/get_world_size`, and refused unless it equals
 rollout.replica_tp). A replica's engine holds its groups side by side, one per stage (`group` =
-the stage, in the init call and in every bucket's `/update_weights`). We drive it as vLLM's
+the stage, in the init call and in each push's `/update_weights` and buffer headers). We drive it as vLLM's
 trainer-side engine (`NCCLTrainerWeightTransferEngine`) does, keeping the pool's phases
 (`ReplicaPool.begin_update` / `finish_update`, run by weights/update.py):
-- one `/update_weights` per bucket (its names, dtypes, shapes, group), sent while the bucket's
-  tensors are broadcast one by one (vLLM's unpacked mode); the worker loads each through
-  layerwise reload as it arrives, and the sender holds one bucket at a time;
+- one `/update_weights` per stage per push (its group; no names), while vLLM's
+  `packed_nccl_broadcast_producer` packs the stage's tensors into buffers of `bucket_bytes`,
+  double-buffered, each preceded by its manifest (a JSON header: `Fanout` says why in-band); the
+  replica runs vLLM's packed consumer and loads each buffer through layerwise reload;
 - the groups persist: formed at a replica's first push (`/init_weight_transfer_engine` while
   this process opens its end, a TCP store rendezvous at `address:port`), formed again only for a
   replica whose push failed or that restarted (`forget`; the replica's engine replaces its old
@@ -27,39 +29,40 @@ Why a group per stage, side by side, and not the stages in turn through one grou
 for vLLM's stock engine, which keeps one receiving communicator): a broadcast has one source, so
 one group serves one stage at a time, and in turn every stage but the first waits for the one
 before it and forms its group again at each sync (a rendezvous per stage per sync). Side by side,
-the stages stream at once: the replica still loads one bucket at a time (its engine serves one
+the stages stream at once: the replica still loads one buffer at a time (its engine serves one
 `/update_weights` after the other), but each stage's gathers, casts and sends overlap the others'
 loading, and no group is formed after the first sync. Argued from the protocol, not measured
 against the other (docs/replicas-and-weight-sync.md, "Pipeline-parallel learners").
 
 Only the communicator differs between the wires (`Wire`: NcclWire = vLLM's PyNccl, GlooWire =
-`GlooCommunicator`): group formation, the rank layout, the bucket protocol, re-forming, timeouts
+`GlooCommunicator`): group formation, the rank layout, the packed protocol, re-forming, timeouts
 and failure handling are this module's code for both. CI runs it over gloo against real vLLM CPU
 replicas; the CUDA communicator alone runs on GPUs only.
 
 Every wait is bounded by `timeout_s`:
 - forming a group: the replica's init call and this end's rendezvous are awaited together, so a
   replica that refuses init fails at once, not at the store's timeout;
-- a bucket: the broadcasts to every replica are enqueued (NCCL: on the learner's current stream;
-  gloo: asynchronous work), then each replica's completion and its `/update_weights` answer are
-  polled until the deadline. A replica whose call fails has its group aborted at once, inside
-  the poll (ncclCommAbort ends a broadcast kernel waiting for a dead peer, which on NCCL would
-  hold every replica's broadcasts queued after it on the one stream); one that misses the
-  deadline is aborted then. Either is dropped from the push (`PushResult.failed`). CI runs this
-  over gloo, whose work is per group: that a replica queued behind a failed one on the CUDA
-  stream completes in time is the GPU run's to show.
+- a buffer: its broadcasts to every replica are enqueued (NCCL: on the producer's stream;
+  gloo: asynchronous work), and each replica is polled on its own (`Fanout`: its answer, its
+  channel, its deadline counted from when its broadcasts can start); a replica that fails is
+  dropped from the push (`PushResult.failed`), its group destroyed once the work queued before it
+  is done. CI runs this over gloo, whose work is per group, and with stand-in channels for the
+  stream's order (tests/test_broadcast_fanout.py); the CUDA stream itself is the GPU run's to show;
+- forming a group runs on daemon threads (NCCL's init has no timeout: given up, never joined).
 
 Ports: stage s's group with replica i rendezvous at `base_port + s * len(urls) + i` (or a free
 port when `base_port` is 0). Replicas are served one after the other on one stream (one group
-each): sync time grows with replicas.
+each): sync time grows with replicas (one group per node: issue 42 item 2, not built).
 """
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 from urllib.parse import urlparse
 
 import torch
@@ -68,15 +71,25 @@ from megatron_async.config import LOOPBACK_HOSTS
 from megatron_async.rollout.launcher import free_port
 from megatron_async.rollout.replica import ReplicaClient
 from megatron_async.weights import vllm_plugin
-from megatron_async.weights.update import PushResult, WeightSyncError, group_by_cap
+from megatron_async.weights.update import PushResult, WeightSyncError
+
+
+class Sending(Protocol):
+    """One `Channel.send` in flight."""
+
+    def __call__(self) -> bool:
+        """True once every tensor was sent; raises if the group failed."""
+
+    def started(self) -> bool:
+        """Whether the work queued before these broadcasts is done, so that they can run (on NCCL
+        every group's broadcasts share the learner's stream; a gloo group's run on their own)."""
 
 
 class Channel(Protocol):
     """The sender's end (rank 0) of one replica's group."""
 
-    def send(self, tensors: Sequence[torch.Tensor]) -> Callable[[], bool]:
-        """Enqueue the broadcast of `tensors` in order; the returned poll is True once they were
-        sent and raises if the group failed."""
+    def send(self, tensors: Sequence[torch.Tensor]) -> Sending:
+        """Enqueue the broadcast of `tensors` in order."""
 
     def destroy(self) -> None:
         """End the group now, without blocking, even with a broadcast in flight."""
@@ -109,16 +122,32 @@ class NcclChannel:
     def __init__(self, communicator):
         self.communicator = communicator
 
-    def send(self, tensors: Sequence[torch.Tensor]) -> Callable[[], bool]:
+    def send(self, tensors: Sequence[torch.Tensor]) -> "EventSending":
         stream = torch.cuda.current_stream()
+        ready = torch.cuda.Event()  # the work queued before these broadcasts is done
+        ready.record(stream)
         for tensor in tensors:
             self.communicator.broadcast(tensor, src=0, stream=stream)
         sent = torch.cuda.Event()
         sent.record(stream)
-        return sent.query
+        return EventSending(ready, sent)
 
     def destroy(self) -> None:
         self.communicator.destroy()  # ncclCommAbort, in a daemon thread joined for at most 5 s
+
+
+class EventSending:
+    """NCCL broadcasts on a stream, between two events. NOTE: `Event.query` never raises: a hung peer
+    shows only as a deadline passed (weights/broadcast.py `Fanout`)."""
+
+    def __init__(self, ready: torch.cuda.Event, sent: torch.cuda.Event):
+        self.ready, self.sent = ready, sent
+
+    def __call__(self) -> bool:
+        return self.sent.query()
+
+    def started(self) -> bool:
+        return self.ready.query()
 
 
 class GlooWire:
@@ -167,19 +196,11 @@ class GlooCommunicator:
         if staged is not tensor:
             tensor.copy_(staged)
 
-    def send(self, tensors: Sequence[torch.Tensor]) -> Callable[[], bool]:
-        """Rank 0: start broadcasting `tensors` in order and return at once; the returned poll is
-        True once all were sent, and raises if the group failed (a peer closed it or timed out)."""
+    def send(self, tensors: Sequence[torch.Tensor]) -> "WorkSending":
+        """Rank 0: start broadcasting `tensors` in order and return at once."""
         works = [self.group.broadcast(t.detach().to("cpu").contiguous(), 0) for t in tensors]
-        self._in_flight = works
-
-        def sent() -> bool:
-            if not all(w.is_completed() for w in works):
-                return False
-            for w in works:
-                w.wait()  # raises the failure of a completed-with-error broadcast
-            return True
-        return sent
+        self._in_flight = [w for w in self._in_flight if not w.is_completed()] + works
+        return WorkSending(works)
 
     def destroy(self) -> None:
         """End the group without blocking. NOTE (torch 2.13): gloo's `abort()` does not interrupt a
@@ -205,6 +226,23 @@ class GlooCommunicator:
         threading.Thread(target=release, name="gloo-release", daemon=True).start()
 
 
+class WorkSending:
+    """Gloo broadcasts: asynchronous work of their own group, which can run at once."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def __call__(self) -> bool:
+        if not all(w.is_completed() for w in self.works):
+            return False
+        for w in self.works:
+            w.wait()  # raises the failure of a completed-with-error broadcast
+        return True
+
+    def started(self) -> bool:
+        return True
+
+
 def make_wire(transport: str) -> Wire:
     wires: dict[str, type[Wire]] = {"nccl": NcclWire, "gloo": GlooWire}
     if transport not in wires:
@@ -213,12 +251,201 @@ def make_wire(transport: str) -> Wire:
 
 
 def update_info(bucket: Sequence[tuple[str, torch.Tensor]], keep: bool = False, group: int = 0) -> dict:
-    """vLLM's `NCCLWeightTransferUpdateInfo` of one bucket, as the JSON `/update_weights` takes;
+    """vLLM's `NCCLWeightTransferUpdateInfo` of some tensors, as JSON: a buffer's header (`Fanout`),
+    or with none the stage's `/update_weights`;
     `keep`: the replica keeps what it loads, the base of the next delta (weights/delta.py);
     `group`: the pipeline stage whose group carries the tensors (weights/engines.py)."""
     return {"names": [name for name, _ in bucket],
             "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
             "shapes": [list(t.shape) for _, t in bucket], "keep": keep, "group": group}
+
+
+NUM_BUFFERS = 2  # packed buffers in flight (vLLM's DEFAULT_PACKED_NUM_BUFFERS): double-buffered
+
+
+def header_tensors(header: dict | None, device: torch.device) -> list[torch.Tensor]:
+    """A buffer's in-band manifest as broadcast before it: its JSON length (int64 [1]), then its
+    bytes (uint8); None (the end of the stream): the length 0 alone. JSON, never pickle."""
+    if header is None:
+        return [torch.zeros(1, dtype=torch.int64, device=device)]
+    raw = json.dumps(header).encode()
+    return [torch.tensor([len(raw)], dtype=torch.int64, device=device),
+            torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)]
+
+
+@dataclass
+class Sent:
+    """One buffer in flight to one replica."""
+
+    sending: Sending
+    tensors: list[torch.Tensor]  # referenced until sent
+    started_at: float | None = None  # when its broadcasts could start (`Sending.started` first seen True)
+
+
+class Fanout:
+    """The communicator vLLM's packed producer (`packed_nccl_broadcast_producer`) broadcasts on:
+    each packed buffer goes to every live replica's channel, preceded by its manifest (`header_tensors`:
+    `update_info` of the buffer's tensors and whether it is the stream's last), each replica bounded
+    on its own.
+
+    The producer packs a buffer while the previous ones are in flight; `broadcast` then waits
+    until at most `NUM_BUFFERS - 1` buffers per replica are unfinished (on CUDA the producer's
+    streams already order them: this bounds the waits; on a host, whose slots are no-ops, it is the
+    double buffering). A replica is dropped (`failed`; the others go on) when its call answers an
+    error, its broadcast fails, or a buffer of it is not sent within `timeout_s` of when its
+    broadcasts could start (on NCCL, once the replicas queued before it on the stream are done:
+    one slow replica does not spend the others' time). A dropped replica's group is destroyed once
+    the work queued before its broadcasts is done (at once on gloo): aborting an NCCL communicator
+    whose kernels still wait behind live replicas' on the stream is undefined. If that never comes,
+    every group of the push is aborted (`finish`).
+
+    Why the manifest travels in-band and not in the call: the stage's stream is produced lazily
+    (TP gathers) and a delta's tensors have data-dependent sizes, so it is known only as it is
+    packed; vLLM's consumer takes its manifest as an iterator, which the replica feeds from these
+    headers (weights/engines.py)."""
+
+    def __init__(self, channels: dict[str, Channel], answers: dict[str, Future], *, buffer_bytes: int,
+                 timeout_s: float, keep: bool, group: int, device: torch.device):
+        self.channels, self.answers = dict(channels), answers
+        self.buffer_bytes, self.timeout_s, self.keep, self.group, self.device = buffer_bytes, timeout_s, keep, group, device
+        self.failed: dict[str, str] = {}
+        self.bytes = self.buffers = 0
+        self.wait_seconds = 0.0
+        self._chunk: list[tuple[str, torch.Tensor]] = []  # the buffer being packed: (name, a meta tensor of its shape)
+        self._sent: dict[str, list[Sent]] = {u: [] for u in channels}
+        self._doomed: dict[str, tuple[Channel, Sent | None]] = {}  # dropped, destroyed once its last send started
+        self._doomed_at: dict[str, float] = {}  # ... since when
+        self._expects_header = True  # the replicas read another header before the stream ends
+
+    def record(self, item: tuple[str, torch.Tensor]) -> torch.Tensor:
+        """The producer's `post_iter_func`: notes each tensor of the buffer being packed."""
+        name, tensor = item
+        self._chunk.append((name, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")))
+        self.bytes += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def items(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The producer's iterator: the stream, then every buffer in flight waited out (bounded), so
+        that the producer's closing stream synchronizations find nothing unbounded to wait for."""
+        yield from named_tensors
+        self._settle(in_flight=0)
+
+    def broadcast(self, packed: torch.Tensor, src: int = 0, stream: Any = None) -> None:
+        last = sum(t.numel() * t.element_size() for _, t in self._chunk) <= self.buffer_bytes  # vLLM's packing rule
+        header = update_info(self._chunk, keep=self.keep, group=self.group) | {"last": last}
+        self._chunk = []
+        self.buffers += 1
+        self._expects_header = not last
+        self._send([*header_tensors(header, packed.device), packed])
+        self._settle(in_flight=0 if last else NUM_BUFFERS - 1)
+
+    def finish(self) -> None:
+        """After the producer: end the stream where the replicas expect another header, wait for
+        every replica's answer (bounded), and destroy the dropped replicas' groups."""
+        if self._expects_header:
+            self._send(header_tensors(None, self.device))
+        self._settle(in_flight=0)
+        t = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        while pending := [u for u in self.channels if not self.answers[u].done()]:
+            if time.monotonic() > deadline:
+                for url in pending:
+                    self._fail(url, f"its /update_weights did not answer within {self.timeout_s:.0f} s of the last buffer")
+                break
+            wait([self.answers[u] for u in pending], timeout=0.05, return_when=FIRST_COMPLETED)
+        for url in list(self.channels):
+            self._answered_error(url)
+        self._destroy_doomed()
+        if self._doomed:  # work queued before a dropped group never finished
+            self._abort_all("aborted with the push's other groups: a dropped replica's group could not be destroyed "
+                            "alone (work queued before it never finished)")
+        self.wait_seconds += time.perf_counter() - t
+
+    def _stuck_behind_doomed(self, busy: list[str], now: float) -> bool:
+        """No busy replica's broadcasts could start, and a dropped group has waited `timeout_s` to be
+        destroyed: the stream is held by that group's own broadcasts (a peer that went away)."""
+        return not any(self._sent[u][0].started_at is not None for u in busy) and any(
+            now > since + self.timeout_s for since in self._doomed_at.values())
+
+    def _abort_all(self, reason: str) -> None:
+        """Every group of this push destroyed now (their next push forms them again)."""
+        for url in list(self.channels):
+            self.failed[url] = reason
+            self._doomed[url] = (self.channels.pop(url), None)
+            self._sent.pop(url, None)
+        for channel, _ in self._doomed.values():
+            channel.destroy()
+        self._doomed.clear()
+        self._doomed_at.clear()
+
+    def _send(self, tensors: list[torch.Tensor]) -> None:
+        for url in list(self.channels):
+            if self._answered_error(url):
+                continue
+            try:
+                self._sent[url].append(Sent(self.channels[url].send(tensors), tensors))
+            except Exception as e:  # noqa: BLE001 - the replica is dropped from this push
+                self._fail(url, str(e) or repr(e))
+
+    def _settle(self, in_flight: int) -> None:
+        """Wait until every live replica has at most `in_flight` buffers unfinished."""
+        t = time.perf_counter()
+        while True:
+            busy = []
+            now = time.monotonic()
+            for url in list(self.channels):
+                if self._answered_error(url):
+                    continue
+                sent = self._sent[url]
+                try:
+                    while sent and sent[0].sending():
+                        sent.pop(0)
+                except Exception as e:  # noqa: BLE001 - its group failed (the peer closed it, or its timeout)
+                    self._fail(url, str(e) or repr(e))
+                    continue
+                if len(sent) <= in_flight:
+                    continue
+                if sent[0].started_at is None and sent[0].sending.started():
+                    sent[0].started_at = now
+                if sent[0].started_at is not None and now > sent[0].started_at + self.timeout_s:
+                    self._fail(url, f"buffer not received within {self.timeout_s:.0f} s of when it could start")
+                else:
+                    busy.append(url)
+            self._destroy_doomed()
+            if not busy:
+                break
+            if self._stuck_behind_doomed(busy, now):
+                self._abort_all("aborted with the push's other groups: their broadcasts were queued behind a dropped "
+                                f"replica's, which did not end within {self.timeout_s:.0f} s")
+                break
+            answering = [self.answers[u] for u in busy if not self.answers[u].done()]
+            if answering:
+                wait(answering, timeout=0.005, return_when=FIRST_COMPLETED)
+            else:
+                time.sleep(0.001)
+        self.wait_seconds += time.perf_counter() - t
+
+    def _answered_error(self, url: str) -> bool:
+        answer = self.answers[url]
+        if answer.done() and (error := answer.exception()) is not None:
+            self._fail(url, str(error) or repr(error))
+            return True
+        return False
+
+    def _fail(self, url: str, reason: str) -> None:
+        """Drop `url` from this push; its group is destroyed once the work queued before its last
+        broadcasts is done."""
+        self.failed[url] = reason
+        sent = self._sent.pop(url, [])
+        self._doomed[url] = (self.channels.pop(url), sent[-1] if sent else None)
+        self._doomed_at[url] = time.monotonic()
+        self._destroy_doomed()
+
+    def _destroy_doomed(self) -> None:
+        for url, (channel, last) in list(self._doomed.items()):
+            if last is None or last.sending.started():
+                del self._doomed[url], self._doomed_at[url]
+                channel.destroy()
 
 
 def address_towards(url: str) -> str:
@@ -233,19 +460,21 @@ def address_towards(url: str) -> str:
         return probe.getsockname()[0]
 
 
-def _vllm_init_info(address: str, port: int, world_size: int, group: int) -> dict:
-    """The `/init_weight_transfer_engine` payload of vLLM's NCCL engine family (unpacked mode), with
-    the group (pipeline stage) our engines key their groups by."""
+def _vllm_init_info(address: str, port: int, world_size: int, group: int, buffer_bytes: int, timeout_s: float) -> dict:
+    """The `/init_weight_transfer_engine` payload of vLLM's NCCL engine family (packed mode, its
+    buffer geometry), with the group (pipeline stage) our engines key their groups by and the
+    sync timeout that bounds the replica's receive."""
     # NOTE: vLLM is imported here, not at the top: only the sender of a broadcast transport needs
     # it, and importing it costs seconds (and CUDA probing) on every learner rank
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
 
-    return worker_init_payload(NCCLWeightTransferInitInfo(master_address=address, master_port=port, rank_offset=1,
-                                                          world_size=world_size, packed=False)) | {"group": group}
+    return worker_init_payload(NCCLWeightTransferInitInfo(
+        master_address=address, master_port=port, rank_offset=1, world_size=world_size, packed=True,
+        packed_buffer_size_bytes=buffer_bytes, packed_num_buffers=NUM_BUFFERS)) | {"group": group, "timeout_s": timeout_s}
 
 
 class BroadcastSender:
-    """One pipeline stage's sender rank's groups with the replicas, and the bucket stream over them."""
+    """One pipeline stage's sender rank's groups with the replicas, and the packed stream over them."""
 
     def __init__(self, urls: Sequence[str], key: str, *, wire: Wire, replica_tp: int, timeout_s: float,
                  bucket_bytes: int, address: str = "", base_port: int = 0, stage: int = 0):
@@ -255,7 +484,7 @@ class BroadcastSender:
         self._address = {u: address or address_towards(u) for u in urls}
         self._clients = {u: ReplicaClient(u, key, timeout_s=timeout_s, label=f"replica {i}") for i, u in enumerate(urls)}
         self._channels: dict[str, Channel] = {}  # url -> this end of its group, formed by `_connect`
-        # per replica: its /update_weights call, or its init call beside this end's rendezvous
+        # per replica: its /update_weights call (bounded by its HTTP timeout), and one of a push before it
         self._pool = ThreadPoolExecutor(max_workers=2 * len(urls), thread_name_prefix=f"{wire.transport}-sync")
 
     def forget(self, urls: Iterable[str]) -> None:
@@ -274,8 +503,12 @@ class BroadcastSender:
                 f"rollout.replica_tp={workers}")
         address = self._address[url]
         port = self.base_port + self.stage * len(self._index) + i if self.base_port else free_port(address)
-        joined = self._pool.submit(client.init_weight_transfer, _vllm_init_info(address, port, 1 + workers, self.stage))
-        opened = self._pool.submit(self.wire.open, address, port, 1 + workers, self.timeout_s)
+        # on daemon threads, not the pool: NCCL's ncclCommInitRank has no timeout, and a thread left
+        # inside it must neither take a pool thread for good nor be joined at exit
+        joined = on_daemon_thread(client.init_weight_transfer,
+                                   _vllm_init_info(address, port, 1 + workers, self.stage, self.bucket_bytes,
+                                                   self.timeout_s))
+        opened = on_daemon_thread(self.wire.open, address, port, 1 + workers, self.timeout_s)
         steps: list[Future[Any]] = [joined, opened]  # the replica's refusal first: it says why
         wait(steps, timeout=self.timeout_s, return_when=FIRST_EXCEPTION)
         for step in steps:
@@ -289,7 +522,8 @@ class BroadcastSender:
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], urls: Sequence[str] | None = None,
              keep: bool = False) -> PushResult:
-        """Stream the tensors into the open update of each replica in `urls` (None: all)."""
+        """Stream the tensors into the open update of each replica in `urls` (None: all): one
+        `/update_weights` per replica, the stage's tensors packed by vLLM's producer."""
         t0 = time.perf_counter()
         failed: dict[str, str] = {}
         live = []
@@ -302,63 +536,41 @@ class BroadcastSender:
                 raise
             except Exception as e:  # noqa: BLE001 - reported; the replica is left out of this push
                 failed[url] = f"forming its {self.wire.transport} group: {e!r}"
-        num_buckets = nbytes = 0
-        send_s = 0.0
-        for bucket in group_by_cap(named_tensors, self.bucket_bytes):  # drained even with no replica left
-            num_buckets += 1
-            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            if not live:
-                continue
-            t = time.perf_counter()
-            for url, reason in self._send_bucket(bucket, live, keep).items():
-                failed[url] = reason
-                live.remove(url)
-                self.forget([url])
-            send_s += time.perf_counter() - t
-        return PushResult(bytes=nbytes, replicas=len(live), buckets=num_buckets, seconds=time.perf_counter() - t0,
-                          send_seconds=send_s, failed=failed, carriers=[self.wire.transport])
-
-    def _send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]], urls: Sequence[str], keep: bool) -> dict[str, str]:
-        """One bucket into every replica of `urls` -> {url: why it failed} for those it did not reach."""
-        info = update_info(bucket, keep=keep, group=self.stage)
-        tensors = [t.contiguous() for _, t in bucket]  # kept referenced until every replica has them
-        receiving = {u: self._pool.submit(self._clients[u].update_weights, info) for u in urls}
-        sending: dict[str, Callable[[], bool]] = {}
-        for url in urls:
-            if not (receiving[url].done() and receiving[url].exception()):  # refused before any broadcast
-                sending[url] = self._channels[url].send(tensors)
-        failed: dict[str, str] = {}
-        pending = set(urls)
-        deadline = time.monotonic() + self.timeout_s
-        while pending:
-            if answering := [receiving[u] for u in pending if not receiving[u].done()]:
-                wait(answering, timeout=0.01, return_when=FIRST_COMPLETED)
-            else:  # every call answered; the last broadcasts are finishing
-                time.sleep(0.001)
-            for url in list(pending):
-                try:
-                    if receiving[url].done():
-                        receiving[url].result()  # the replica's error, if it failed
-                        if sending[url]():  # answered and every tensor sent: done
-                            pending.discard(url)
-                    else:
-                        sending[url]()  # a broken group fails here, before the call times out
-                except Exception as e:  # noqa: BLE001 - the replica is dropped from this push
-                    failed[url] = str(e) or repr(e)
-                    pending.discard(url)
-                    # its group aborted now, not after the bucket: on NCCL every replica's broadcasts
-                    # share the learner's stream, and one to a failed peer holds those queued after it
-                    self._channels.pop(url).destroy()
-            if pending and time.monotonic() > deadline:
-                failed.update({u: f"bucket not received within {self.timeout_s:.0f} s" for u in pending})
-                break
-        return failed
+        info = update_info([], keep=keep, group=self.stage)  # the manifest comes in-band, buffer by buffer
+        answers = {u: self._pool.submit(self._clients[u].update_weights, info) for u in live}
+        device = torch.device("cuda", torch.cuda.current_device()) if self.wire.transport == "nccl" else torch.device("cpu")
+        fanout = Fanout({u: self._channels[u] for u in live}, answers, buffer_bytes=self.bucket_bytes,
+                        timeout_s=self.timeout_s, keep=keep, group=self.stage, device=device)
+        vllm_plugin.packed_tensor().packed_nccl_broadcast_producer(  # drains the stream even with no replica left
+            iterator=fanout.items(named_tensors), group=fanout, src=0, post_iter_func=fanout.record,
+            buffer_size_bytes=self.bucket_bytes, num_buffers=NUM_BUFFERS)
+        fanout.finish()
+        for url, reason in fanout.failed.items():
+            failed[url] = reason
+            self._channels.pop(url, None)  # destroyed by the fanout
+        return PushResult(bytes=fanout.bytes, replicas=len(fanout.channels), buckets=fanout.buffers,
+                          calls=1 if live else 0, seconds=time.perf_counter() - t0, send_seconds=fanout.wait_seconds,
+                          failed=failed, carriers=[self.wire.transport])
 
     def close(self) -> None:
         self.forget(list(self._channels))
         for client in self._clients.values():
             client.close()
         self._pool.shutdown(wait=False)
+
+
+def on_daemon_thread(fn: Callable[..., Any], *args: Any) -> Future:
+    """`fn(*args)` on a daemon thread of its own -> its future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="weight-sync-formation", daemon=True).start()
+    return future
 
 
 def _destroy_when_open(opened: Future) -> None:

@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_async.config import BROADCAST_TRANSPORTS, Config, replica_dtype, weight_transport
+from megatron_async.config import BROADCAST_TRANSPORTS, Config, replica_dtype, sync_bucket_bytes, weight_transport
 from megatron_async.learner.parallel import ParallelLayout
 from megatron_async.rollout.pool import ReplicaPool
 from megatron_async.weights.broadcast import BroadcastSender, make_wire
@@ -51,12 +51,13 @@ def build_weight_update(cfg: Config, layout: ParallelLayout, ctrl: dist.ProcessG
             raise ValueError("delta sync over nccl is not built (vLLM's sparse_nccl backend is the path)")
         if transport in BROADCAST_TRANSPORTS:  # one group per (stage, replica)
             sender = BroadcastSender(urls, key, wire=make_wire(transport), replica_tp=r.replica_tp,
-                                     timeout_s=r.sync_timeout_s, bucket_bytes=r.sync_bucket_mb << 20,
+                                     timeout_s=r.sync_timeout_s,
+                                     bucket_bytes=sync_bucket_bytes(r.sync_bucket_mb, transport),
                                      address=r.rendezvous_address, base_port=r.rendezvous_port,
                                      stage=layout.pp_rank)
         else:
-            sender = HostMemorySender(urls, key, timeout_s=r.sync_timeout_s, bucket_bytes=r.sync_bucket_mb << 20,
-                                      transport=transport)
+            sender = HostMemorySender(urls, key, timeout_s=r.sync_timeout_s, transport=transport,
+                                      bucket_bytes=sync_bucket_bytes(r.sync_bucket_mb, transport))
     return WeightUpdate(ctrl, urls, r.weight_update, r.sync_timeout_s, layout.pp_rank, pool, sender,
                         send_dtype=send_dtype, schedule=DeltaSchedule(full_every) if full_every else None)
 

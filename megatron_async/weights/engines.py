@@ -54,18 +54,26 @@ what a long run needs of it:
   at once (weights/broadcast.py says why this and not the stages in turn);
 - a group formed again (a failed push, a re-formed sender) replaces the old one of its stage,
   destroyed, instead of leaking it (vLLM's `init_transfer_engine` overwrites it);
-- buckets come unpacked (one broadcast per tensor, vLLM's non-packed mode): the receive loop is
-  vLLM's unpacked branch; with `keep` (delta sync) a received tensor is copied to the host first,
-  so that the kept copy is in host memory on a GPU replica too.
+- a stage's push is one `update_weights` received by vLLM's `packed_nccl_broadcast_consumer`, its
+  manifest read in-band from the header before each buffer (`inband_manifest`; a group formed
+  with packed=False is received as vLLM's unpacked mode, one broadcast per tensor); with `keep`
+  (delta sync) a received tensor is copied to the host first, so that the kept copy is in host
+  memory on a GPU replica too;
+- the receive is bounded: a gloo group's timeout is the sender's sync timeout (`timeout_s` in the
+  init call), and on CUDA a `Watchdog` aborts the group after it without progress; a receive that
+  fails drops its group (the sender's next push forms it again), so the engine is never wedged.
 `mas_gloo` (`MasGlooEngine`) is the same class with one change: its group is weights/broadcast.py's
 `GlooCommunicator` instead of vLLM's PyNccl one (and so no CUDA stream is passed).
 """
 from __future__ import annotations
 
 import base64
+import json
 import logging
+import threading
+import time
 from dataclasses import dataclass
-from typing import Any, Iterable, cast
+from typing import Any, Callable, Iterable, Iterator, cast
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
@@ -225,21 +233,66 @@ class CpuWeightTransferEngine(MasEngine, WeightTransferEngine[CpuInitInfo, CpuUp
 
 # ----------------------------------------------------------------------------- mas_nccl, mas_gloo: a broadcast
 
-# a worker waiting for the sender's next tensor gives up after this (the sender's own deadline,
-# rollout.sync_timeout_s, is shorter by default and aborts the group first)
-GLOO_RECEIVE_TIMEOUT_S = 600.0
-
 
 @dataclass(kw_only=True)
 class BroadcastInitInfo(NCCLWeightTransferInitInfo):
     group: int = 0  # the learner pipeline stage whose sender is rank 0 of this group
+    timeout_s: float = 300.0  # bounds each wait of the receive for the sender (its rollout.sync_timeout_s)
 
 
 @dataclass
 class BroadcastUpdateInfo(NCCLWeightTransferUpdateInfo):
     verify: bool = False  # no bucket: check that the update covered every parameter
     keep: bool = False  # keep what loads: the base of the next delta (weights/delta.py)
-    group: int = 0  # the group (learner pipeline stage) the bucket's tensors come over
+    group: int = 0  # the group (learner pipeline stage) the tensors come over
+
+
+def inband_manifest(group: Any, device: torch.device,
+                    kick: Callable[[], None]) -> Iterator[tuple[str, tuple[list[int], torch.dtype]]]:
+    """The manifest vLLM's packed consumer iterates, read from the headers the sender broadcasts
+    before each buffer (weights/broadcast.py `header_tensors`): a JSON length, then the JSON of
+    the buffer's names, dtypes, shapes and whether it is the last; a length of 0 ends the stream."""
+    while True:
+        length = torch.empty(1, dtype=torch.int64, device=device)
+        group.broadcast(length, src=0)
+        kick()
+        if (size := int(length.item())) == 0:
+            return
+        raw = torch.empty(size, dtype=torch.uint8, device=device)
+        group.broadcast(raw, src=0)
+        header = json.loads(raw.cpu().numpy().tobytes())
+        for name, dtype_name, shape in zip(header["names"], header["dtype_names"], header["shapes"], strict=True):
+            dtype = getattr(torch, dtype_name, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"weight header names an unknown dtype {dtype_name!r} for {name}")
+            yield name, (shape, dtype)
+        if header["last"]:
+            return
+
+
+class Watchdog:
+    """Destroys `group` when the receive made no progress (`kick`) for `timeout_s`: a PyNccl
+    broadcast has no timeout, and a replica whose sender went away would stay inside it for good."""
+
+    def __init__(self, group: Any, timeout_s: float):
+        self.group, self.timeout_s = group, timeout_s
+        self.fired = False
+        self._last = time.monotonic()
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, name="weight-receive-watchdog", daemon=True).start()
+
+    def kick(self) -> None:
+        self._last = time.monotonic()
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        while not self._done.wait(min(1.0, self.timeout_s)):
+            if time.monotonic() - self._last > self.timeout_s:
+                self.fired = True
+                self.group.destroy()  # ncclCommAbort: ends the broadcast kernels waiting for the sender
+                return
 
 
 class MasNcclEngine(MasEngine, NCCLWeightTransferEngine):
@@ -249,15 +302,20 @@ class MasNcclEngine(MasEngine, NCCLWeightTransferEngine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.groups: dict[int, Any] = {}  # learner pipeline stage -> its group (PyNccl or gloo communicator)
+        self.group_infos: dict[int, BroadcastInitInfo] = {}  # ... and how it was formed (packed, timeout)
 
     # vLLM's engine is generic in its info classes and the NCCL engine fixes them to its own; ours
     # subclass those and `init_info_cls` / `update_info_cls` make vLLM build ours
     def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:  # type: ignore[override]  # see above
-        if init_info.packed:
-            raise ValueError(f"{type(self).__name__} receives unpacked buckets (weights/broadcast.py sends them so)")
-        if (old := self.groups.pop(init_info.group, None)) is not None:
-            old.destroy()
+        self.drop_group(init_info.group)
         self.groups[init_info.group] = self.join_group(init_info)
+        self.group_infos[init_info.group] = init_info
+
+    def drop_group(self, group: int) -> None:
+        """Abort and forget `group` (re-formed by the sender's next init)."""
+        self.group_infos.pop(group, None)
+        if (old := self.groups.pop(group, None)) is not None:
+            old.destroy()
 
     def join_group(self, init_info: BroadcastInitInfo) -> Any:
         return worker_init_process_group(init_info, self.parallel_config)
@@ -271,6 +329,46 @@ class MasNcclEngine(MasEngine, NCCLWeightTransferEngine):
         if (group := self.groups.get(update_info.group)) is None:
             raise RuntimeError(f"weight transfer group {update_info.group} not formed (groups formed: "
                                f"{sorted(self.groups)}): call init_transfer_engine first")
+        init = self.group_infos[update_info.group]
+        try:
+            if init.packed:
+                self.receive_packed(group, init, update_info.keep)
+            else:
+                self.receive_unpacked(group, update_info)
+        except BaseException:
+            # the group has broadcasts this end will never read (or a dead peer): aborted here, so that
+            # the engine is free at once and the sender's next push forms it again
+            self.drop_group(update_info.group)
+            raise
+
+    def receive_packed(self, group: Any, init: BroadcastInitInfo, keep: bool) -> None:
+        """vLLM's packed consumer, its manifest in-band (`inband_manifest`). Bounded: on gloo each
+        wait by the group's timeout (init.timeout_s; a sender that went away fails it at once);
+        on CUDA by a `Watchdog` over the same timeout."""
+        watchdog = Watchdog(group, init.timeout_s) if self.device.type == "cuda" else None
+        kick = watchdog.kick if watchdog is not None else (lambda: None)
+
+        def load(named: list[tuple[str, torch.Tensor]]) -> None:
+            # views of a packed buffer the consumer never rewrites (it allocates each anew);
+            # kept (delta sync) on the host
+            self.load([(name, t.cpu() if keep else t) for name, t in named], keep=keep, owned=True)
+            kick()
+
+        try:
+            vllm_plugin.packed_tensor().packed_nccl_broadcast_consumer(
+                iterator=inband_manifest(group, self.device, kick), group=group, src=0, post_unpack_func=load,
+                buffer_size_bytes=init.packed_buffer_size_bytes, num_buffers=init.packed_num_buffers, device=self.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
+        if watchdog is not None and watchdog.fired:
+            raise TimeoutError(f"weight receive made no progress for {init.timeout_s:.0f} s: group aborted")
+
+    def receive_unpacked(self, group: Any, update_info: BroadcastUpdateInfo) -> None:
+        """vLLM's unpacked mode (a group formed with packed=False): the manifest in the call, one
+        broadcast per tensor."""
         stream = torch.cuda.current_stream() if self.device.type == "cuda" else None
         with vllm_plugin.tensor_by_tensor_loading():
             for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
@@ -282,9 +380,8 @@ class MasNcclEngine(MasEngine, NCCLWeightTransferEngine):
 
     def shutdown(self) -> None:
         super().shutdown()
-        for group in self.groups.values():
-            group.destroy()
-        self.groups.clear()
+        for group in list(self.groups):
+            self.drop_group(group)
 
 
 class MasGlooEngine(MasNcclEngine):
@@ -295,4 +392,4 @@ class MasGlooEngine(MasNcclEngine):
         if init_info.master_address is None or init_info.master_port is None:
             raise ValueError("mas_gloo joins the sender's group: init_info needs master_address and master_port")
         return GlooCommunicator.join(init_info.master_address, init_info.master_port, rank, init_info.world_size,
-                                     GLOO_RECEIVE_TIMEOUT_S)
+                                     init_info.timeout_s)

@@ -166,8 +166,8 @@ class HostMemorySender:
         collect()
         self._verified |= {c.url for c in live}
         self._verified -= failed.keys()
-        return PushResult(bytes=nbytes, replicas=len(live), buckets=num_buckets, seconds=time.perf_counter() - t0,
-                          send_seconds=send_s, failed=failed, carriers=self.carriers)
+        return PushResult(bytes=nbytes, replicas=len(live), buckets=num_buckets, calls=num_buckets,
+                          seconds=time.perf_counter() - t0, send_seconds=send_s, failed=failed, carriers=self.carriers)
 
     def _buckets(self, tensors: Iterable[tuple[str, torch.Tensor]], sample_offset: int | None, keep: bool):
         """Per bucket: ({carrier: update_info}, payload bytes); `sample_offset`: sampled checksums."""

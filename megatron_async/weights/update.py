@@ -184,7 +184,8 @@ class PushResult:
 
     bytes: int = 0  # one copy of this stage's payload
     replicas: int = 0  # replicas that received every bucket
-    buckets: int = 0
+    buckets: int = 0  # buffers of this stage's stream (host memory: one per call; broadcast: packed, in one call)
+    calls: int = 0  # /update_weights calls carrying them, per replica
     seconds: float = 0.0  # wall, including producing the tensors (the TP gathers)
     send_seconds: float = 0.0  # waiting for the replicas
     failed: dict[str, str] = field(default_factory=dict)  # url -> why it was dropped from this push

@@ -14,13 +14,16 @@ Public extension points (the weight-transfer API: `WeightTransferEngine`, vLLM's
 its init payload, `WeightTransferEngineFactory.register_engine`) are used where they are needed.
 What is not public lives below and nowhere else: the factory's registry, the layerwise-reload
 state (`vllm.model_executor.model_loader.reload`), the MTP completeness check, a tied head's
-kernel packing, and the stateless groups and communicators (`vllm.distributed.utils`, PyNccl).
+kernel packing, the stateless groups and communicators (`vllm.distributed.utils`, PyNccl), and the
+CUDA streams of vLLM's packed producer / consumer, swapped on a host without CUDA (`packed_tensor`).
 Each of those calls `require_vllm()` first: on a vLLM other than `VLLM_SERIES` it fails with a
 message naming both versions instead of misbehaving (these internals change between releases).
 """
 from __future__ import annotations
 
 import contextlib
+import types
+import warnings
 from datetime import timedelta
 from typing import Any, Iterable, Iterator
 
@@ -194,3 +197,49 @@ def pynccl_sender(address: str, port: int, world_size: int, timeout_s: float, de
                                          store_timeout=int(timeout_s))
     with unpinned_nccl_env():
         return PyNcclCommunicator(store, device=device)
+
+
+# ----------------------------------------------------------------------------- vLLM's packed producer / consumer
+
+
+class _HostSlot:
+    """A packed buffer slot's stand-in for a CUDA stream on a host without CUDA: nothing is queued on
+    it (the gloo wire's broadcasts are bounded by the sender's fan-out, weights/broadcast.py)."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _HostTorch(types.ModuleType):
+    """`torch` as vLLM's packed_tensor module sees it on a host without CUDA: the same module, but a
+    device index that needs no accelerator. `torch.cuda.stream(slot)` is already a no-op there."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.accelerator = types.SimpleNamespace(current_device_index=lambda: -1)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _host_streams(device_idx: int, num_buffers: int) -> tuple[_HostSlot, ...]:
+    return tuple(_HostSlot() for _ in range(num_buffers))
+
+
+def packed_tensor() -> types.ModuleType:
+    """vLLM's packed_tensor module (`packed_nccl_broadcast_producer` / `_consumer`, `pack_tensors`),
+    run as it is, communicator-agnostic. NOTE (vLLM 0.32): both functions ask
+    `torch.accelerator.current_device_index()` and make one CUDA stream per buffer, which fails on
+    a host without CUDA; there, and only there, those two are swapped (the module's own `torch`
+    name and `_get_streams`) for a device index of -1 and no-op slots. On CUDA nothing is swapped."""
+    require_vllm()
+    from vllm.distributed.weight_transfer import packed_tensor as module
+
+    # a tensor larger than the buffer goes in one buffer of its own (a 70B embedding: 2.1 GB);
+    # vLLM warns at each such tensor of each push
+    warnings.filterwarnings("ignore", message=r"Tensor '.*' has size \d+ bytes, which exceeds buffer_size_bytes",
+                            category=UserWarning)
+    if not torch.cuda.is_available() and not isinstance(module.torch, _HostTorch):
+        module.torch = _HostTorch()  # the module's global, read at each call
+        module._get_streams = _host_streams  # type: ignore[assignment]
+    return module
