@@ -14,6 +14,7 @@ line).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -118,6 +119,26 @@ def weight_transport(cfg: "Config") -> tuple[str, str]:
     return "auto", "auto: CPU replicas"
 
 
+TORCHRUN_GRACE_S = 60  # torchrun's wait beyond run.stop_deadline_s: the ranks' exit after their save or stop at once
+
+
+@dataclass(frozen=True)
+class StopBudget:
+    """run.stop_deadline_s and what the launchers derive from it, in whole seconds (`stop_budget`)."""
+    deadline_s: int  # signal -> checkpoint saved and exit 75, or stop at once (run/stop.py)
+    shutdown_timeout_s: int  # torchrun's --shutdown-timeout: how long it waits for its ranks before SIGKILL
+    warning_lead_s: int  # the SLURM scripts' USR1 this long before the time limit: the whole stop fits before it
+
+
+def stop_budget(run: "RunConfig") -> StopBudget:
+    """The one place the stop's time budget is derived: torchrun waits the ranks' deadline plus
+    TORCHRUN_GRACE_S, and the SLURM warning comes that long before the time limit, so that SLURM's
+    own SIGTERM (and SIGKILL after KillWait) finds the job already saved and stopped."""
+    deadline = math.ceil(run.stop_deadline_s)
+    shutdown = deadline + TORCHRUN_GRACE_S
+    return StopBudget(deadline_s=deadline, shutdown_timeout_s=shutdown, warning_lead_s=shutdown)
+
+
 @dataclass
 class RunConfig:
     name: str = opt("run", "run name; outputs go to <out_dir>/<name>")
@@ -131,8 +152,9 @@ class RunConfig:
     stop_deadline_s: float = opt(240.0,
         "after SIGTERM or SIGUSR1 the run finishes its learner step, saves a checkpoint there and exits 75 "
         "(requeue me); if that has not happened this many seconds after the signal (or a second signal comes) "
-        "it stops at once, the previous checkpoint intact (run/stop.py). Below the 300 s warning the SLURM "
-        "recipes ask for (--signal=B:USR1@300); torchrun is given this plus 60 s before it kills its workers.")
+        "it stops at once, the previous checkpoint intact (run/stop.py). Size it to a learner step plus two "
+        "checkpoint writes (docs/reliability.md). Every launcher derives torchrun's --shutdown-timeout and the "
+        "SLURM scripts' warning before the time limit from it (config.stop_budget, `megatron-async stop-plan`).")
 
 
 @dataclass
