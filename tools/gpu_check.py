@@ -36,7 +36,7 @@ GPU_TESTS = "tests/test_gpu_learner.py::"
 
 @dataclass(frozen=True)
 class Claim:
-    """One claim of the docs' GPU section (docs/performance.md "GPU", README "GPU recipes") and what
+    """One claim of the docs' GPU section (docs/measurements.md "GPU", README "GPU recipes") and what
     in this check exercises it: a phase, a `gpu` test (run by the gpu_tests phase), or nothing that
     a one-GPU, offline machine without vLLM can run (`beyond`: why). `reach` says which, per run."""
     claim: str
