@@ -335,8 +335,10 @@ class TrainerConfig:
         "0 = microbatches of micro_batch_size rows, all padded to the minibatch's longest row. N > 0 = a token "
         "budget: rows (DPO pairs) sorted longest first and grouped so that rows x the group's longest row <= N "
         "(and rows <= micro_batch_size; a longer row is a microbatch of its own), each padded only to its own "
-        "longest row; a row-mean loss is the same, the samples per optimizer step the same (token means "
-        "within a microbatch, as GRPO's, PPO's and the RPO term's, move with the grouping: algorithms/base.py). Logged: train/padding_fraction. Pipeline stages exchange the varying shapes.")
+        "longest row (on GPU rounded up to a multiple of 64, which the budget counts); a row-mean loss is the same, the "
+        "samples per optimizer step the same (token means within a microbatch, as GRPO's, PPO's and the RPO term's, "
+        "move with the grouping: algorithms/base.py). Logged: train/padding_fraction. Pipeline stages exchange the "
+        "varying shapes (only then). Size it from a rank's free memory: docs/scaling.md.")
     logits_chunk_mb: int = opt(0,
         "0 = each microbatch's logits are made at once (fastest: the LM head runs once); N = at most N MB of "
         "fp32 logits per TP rank at a time, each chunk recomputed in the backward (one more LM-head GEMM), so "

@@ -24,10 +24,11 @@ Microbatches, two layouts (`microbatches`):
 - by a token budget (`micro_batch_tokens` N > 0): rows (pairs for DPO) sorted longest first and
   grouped so that rows x the group's longest row <= N (and rows <= micro_batch_size), each
   microbatch padded only to its own longest row, without padding rows. Shapes then differ between
-  microbatches (megatron exchanges them between pipeline stages: `variable_seq_lengths`,
-  learner/model.py), and a microbatch's rows are not in row order: `row_index` says where each
+  microbatches (megatron exchanges them between pipeline stages: `variable_seq_lengths`, on only
+  for this layout, learner/model.py), and a microbatch's rows are not in row order: `row_index` says where each
   came from, and `real_rows_of` / `in_row_order` / `scatter_rows` put them back.
-The real rows of a microbatch are always its first `real_rows` rows. Each microbatch's loss is
+Either layout rounds a length up to a multiple of `seq_multiple` (64 on GPU, 1 on CPU:
+`learner.schedule.microbatch_seq_multiple`). The real rows of a microbatch are always its first `real_rows` rows. Each microbatch's loss is
 scaled (`loss_scale`) so that the mean over microbatches (what the schedule computes) is the mean
 over real rows (pairs for DPO), whatever the layout: the loss is the same function of the batch.
 A loss that averages over tokens within a microbatch (GRPO's token aggregation, PPO's surrogate,
