@@ -53,3 +53,13 @@ load_placement() {
     layout=$("${VENV:-.venv}/bin/megatron-async" placement --node-rank "$node_rank" "$@")
     eval "$layout"
 }
+
+# megatron-async stop-plan prints the stop budget every launcher derives from run.stop_deadline_s
+# (STOP_DEADLINE_S, SHUTDOWN_TIMEOUT_S for torchrun, STOP_WARNING_S for SLURM) and LATEST_CHECKPOINT
+# (empty: nothing saved yet), from the config with its overrides: raise the deadline there, nowhere else.
+# Usage: load_stop_plan CONFIG [overrides...]
+load_stop_plan() {
+    local plan
+    plan=$("${VENV:-.venv}/bin/megatron-async" stop-plan "$@")
+    eval "$plan"
+}

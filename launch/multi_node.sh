@@ -70,8 +70,9 @@ if [[ $NPROC_PER_NODE == 0 ]]; then
     exit "$rc"
 fi
 # torchrun forwards SIGUSR1 too (SLURM's warning: each rank saves a checkpoint and exits 75,
-# run/stop.py) and waits run.stop_deadline_s (240 s by default) + 60 s for that before it kills them.
+# run/stop.py) and waits SHUTDOWN_TIMEOUT_S (run.stop_deadline_s + 60 s) for that before it kills them.
+load_stop_plan "${ARGS[@]}"
 exec "${VENV:-.venv}/bin/python" -m torch.distributed.run --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
-    --shutdown-timeout="${SHUTDOWN_TIMEOUT:-300}" --nnodes="$TORCHRUN_NNODES" --node-rank="$TORCHRUN_NODE_RANK" \
+    --shutdown-timeout="$SHUTDOWN_TIMEOUT_S" --nnodes="$TORCHRUN_NNODES" --node-rank="$TORCHRUN_NODE_RANK" \
     --nproc-per-node="$NPROC_PER_NODE" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
     -m megatron_async train "${ARGS[@]}"

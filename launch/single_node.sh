@@ -24,7 +24,8 @@ echo "[single_node] $GPUS GPUs: learner ranks on GPUs $LEARNER_GPUS, replicas on
 
 # --standalone: a rendezvous on localhost with a free port (no MASTER_ADDR/PORT needed).
 # torchrun forwards SIGUSR1 too (SLURM's warning: each rank saves a checkpoint and exits 75,
-# run/stop.py) and waits run.stop_deadline_s (240 s by default) + 60 s for that before it kills them.
+# run/stop.py) and waits SHUTDOWN_TIMEOUT_S (run.stop_deadline_s + 60 s) for that before it kills them.
+load_stop_plan "${ARGS[@]}"
 exec "${VENV:-.venv}/bin/python" -m torch.distributed.run --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
-    --shutdown-timeout="${SHUTDOWN_TIMEOUT:-300}" --standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" \
+    --shutdown-timeout="$SHUTDOWN_TIMEOUT_S" --standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" \
     -m megatron_async train "${ARGS[@]}"

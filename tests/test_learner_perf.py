@@ -138,6 +138,18 @@ def test_cpu_transformer_config_is_unchanged(tiny_ckpts):
         "gradient_accumulation_fusion": False, "bf16": False, "use_cpu_initialization": True}
 
 
+def test_pipeline_stages_exchange_shapes_only_when_microbatch_shapes_vary(tiny_ckpts):
+    """variable_seq_lengths (a shape message and a device sync per pipeline send) only under PP with
+    a token budget (trainer.micro_batch_tokens: microbatches of one pass differ); by rows every
+    microbatch of a pass has its shape, which the schedule's seq_length gives."""
+    from megatron_async.learner.model import read_arch, transformer_config
+
+    arch = read_arch(tiny_ckpts["gqa"])
+    assert transformer_config(arch, pp=2, shapes_vary=True).variable_seq_lengths
+    assert not transformer_config(arch, pp=2, shapes_vary=False).variable_seq_lengths
+    assert not transformer_config(arch, pp=1, shapes_vary=True).variable_seq_lengths
+
+
 @pytest.fixture(scope="module")
 def worker(tiny_ckpts, tmp_path_factory):
     out = tmp_path_factory.mktemp("perf") / "out.json"

@@ -24,12 +24,91 @@ import sys
 import sysconfig
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 PHASES = ("env", "fork_probe", "gpu_tests", "learner_bench", "weights_bench", "weight_wire", "batch_prep", "vllm", "te")
+GPU_TESTS = "tests/test_gpu_learner.py::"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One claim of the docs' GPU section (docs/measurements.md "GPU", README "GPU recipes") and what
+    in this check exercises it: a phase, a `gpu` test (run by the gpu_tests phase), or nothing that
+    a one-GPU, offline machine without vLLM can run (`beyond`: why). `reach` says which, per run."""
+    claim: str
+    phase: str | None = None
+    test: str | None = None
+    beyond: str = ""
+
+
+CLAIMS = (
+    Claim("bf16 training with megatron's DistributedOptimizer", test=GPU_TESTS + "test_bf16_training_with_distributed_optimizer"),
+    Claim("the NaN guard skips a step, weights and Adam state untouched", test=GPU_TESTS + "test_nan_guard_with_distributed_optimizer"),
+    Claim("checkpoint round trip (dist_checkpointing) with the DistributedOptimizer",
+          test=GPU_TESTS + "test_checkpoint_round_trip_with_distributed_optimizer"),
+    Claim("HF export from CUDA tensors", test=GPU_TESTS + "test_hf_export_from_cuda"),
+    Claim("the learner's fp32 and bf16 logits match transformers", test=GPU_TESTS + "test_spec_fp32_and_bf16_logits_match_transformers"),
+    Claim("TP=2 over NCCL trains like TP=1", test=GPU_TESTS + "test_nccl_tp2_training_matches_tp1"),
+    Claim("the NCCL weight sync into a GPU vLLM replica (mas_nccl)",
+          test="tests/test_nccl_sender.py::test_nccl_push_into_a_gpu_replica_matches_transformers"),
+    Claim("learner step time, tokens/s, MFU and memory per component against docs/scaling.md", phase="learner_bench"),
+    Claim("weight packing and checksums of GPU tensors", phase="weights_bench"),
+    Claim("bf16 GPU tensors through the shm carrier and the gloo wire to a CPU receiver", phase="weight_wire"),
+    Claim("RLOO / PPO batch preparation on the GPU, token-budget microbatches in multiples of 64", phase="batch_prep"),
+    Claim("CUDA initialised before a fork (what vLLM would choose)", phase="fork_probe"),
+    Claim("vLLM generation on the GPU", phase="vllm"),
+    Claim("the Transformer Engine layer spec", phase="te"),
+    Claim("the GPU perf settings at auto (sequence_parallel, overlap_grad_reduce, overlap_param_gather, fusions)",
+          beyond="one GPU runs TP=1 x DP=1: sequence parallelism needs TP > 1, the overlaps DP > 1, the fusions TE"),
+    Claim("pipeline parallelism on GPU, token-budget shapes exchanged between stages (variable_seq_lengths)",
+          beyond="PP > 1 needs two GPUs or more; this check has one"),
+    Claim("per-stage NCCL weight-sync groups (a PP > 1 learner's senders into GPU replicas)",
+          beyond="needs vLLM (not installed here) and GPUs for two stages and a replica; the groups run in CI over gloo"),
+    Claim("SIGTERM / SIGUSR1 under torchrun: every rank saves at one step boundary, exit 75",
+          beyond="no phase runs a training job (it needs vLLM replicas); CI stops one-rank CPU runs (tests/test_stop_e2e.py)"),
+    Claim("the torch + vLLM + TE stack that `EXTRAS=gpu bash launch/install.sh` builds",
+          beyond="the lent machine is offline with its own preinstalled torch; the check installs only megatron-core from .whl/"),
+    Claim("multi-node launch (launch/multi_node.sh, the SLURM scripts, NCCL over the job network)",
+          beyond="one machine, no SLURM"),
+)
+EXERCISED, NOT_EXERCISABLE, NOT_REACHED = "exercised here", "not exercisable on this machine", "not reached"
+
+
+def reach(results: dict[str, dict]) -> list[dict]:
+    """Each claim of CLAIMS with its reach in this run (`results`: phase -> its JSON, absent while
+    pending): "exercised here" (and its result, passed or failed), "not exercisable on this machine"
+    (why: a skip's reason, a dry run, or the claim's `beyond`), or "not reached" (the check ended first)."""
+    out = []
+    for c in CLAIMS:
+        entry: dict = {"claim": c.claim}
+        if c.beyond:
+            out.append({**entry, "reach": NOT_EXERCISABLE, "why": c.beyond})
+            continue
+        phase = c.phase or "gpu_tests"
+        entry["by"] = f"phase {c.phase}" if c.phase else c.test
+        r = results.get(phase)
+        if r is None:
+            out.append({**entry, "reach": NOT_REACHED, "why": f"the check ended before phase {phase} did"})
+            continue
+        if c.test:
+            case = next((t for t in r.get("tests", []) if t["test"] == c.test), None)
+            status = None if case is None else {"passed": "ok", "skipped": "skipped"}.get(case["outcome"], "failed")
+            detail = "not collected or not run (" + (r.get("error") or r.get("reason") or "absent from the report") + ")" \
+                if case is None else case.get("detail", case["outcome"])
+        else:
+            status, detail = r.get("status"), r.get("reason") or r.get("error") or ""
+        if status is None or status == "skipped":
+            out.append({**entry, "reach": NOT_EXERCISABLE, "why": detail})
+        elif r.get("dry_run"):
+            out.append({**entry, "reach": NOT_EXERCISABLE, "why": "dry run: its code path ran at tiny sizes, not on a GPU"})
+        else:
+            out.append({**entry, "reach": EXERCISED, "result": "passed" if status == "ok" else "failed",
+                        **({"why": detail} if status != "ok" else {})})
+    return out
 # pytest plugins of packages the GPU machine lacks (in a dry run they are hidden, their entry points stay)
 PYTEST_PLUGINS_OFF = ("-p", "no:cacheprovider", "-p", "no:timeout", "-p", "no:hypothesispytest")
 
@@ -452,6 +531,7 @@ def batch_prep(args) -> dict:
     from megatron_async import algorithms
     from megatron_async.algorithms.batching import Sample
     from megatron_async.config import load_config
+    from megatron_async.learner.schedule import microbatch_seq_multiple
 
     dev = torch.device("cuda" if args.cuda else "cpu")
     sync = torch.cuda.synchronize if args.cuda else (lambda: None)
@@ -465,24 +545,29 @@ def batch_prep(args) -> dict:
             samples.append(Sample(prompt_index=p, prompt_ids=prompt, completion_ids=torch.randint(3, 1000, (n,), generator=g).tolist(),
                                   logprobs=(-torch.rand(n, generator=g)).tolist(), reward=float(torch.rand(1, generator=g) > 0.5),
                                   version=0))
-    out = {"device": str(dev), "samples": len(samples)}
-    for name in ("rloo", "ppo"):
+    multiple = microbatch_seq_multiple(dev)  # as the learner pads: 64 on GPU
+    out = {"device": str(dev), "samples": len(samples), "seq_multiple": multiple}
+    for name, max_tokens in (("rloo", 8 * (plen + clen)), ("ppo", 0)):  # RLOO under a token budget, PPO by rows
         algo = algorithms.build_algorithm(load_config(None, [f"trainer.algorithm={name}", f"rollout.k={k}"]))
         t = time.perf_counter()
         rows, stats = algo.select(samples, k)
         parts = algorithms.split_units(rows, algo.unit(k), 2)
-        minibatches = [algo.microbatches(part, 0, 8, dev) for part in parts]
+        minibatches = [algo.microbatches(part, 0, 8, dev, max_tokens, seq_multiple=multiple) for part in parts]
         stats = algo.prepare(minibatches, _FakeLearner(), k)
         sync()
         seconds = time.perf_counter() - t
         off = sorted({f"{key}:{v.device}" for mbs in minibatches for mb in mbs for key, v in mb.items()
                       if isinstance(v, torch.Tensor) and v.device.type != dev.type}
                      | {f"stat {key}:{v.device}" for key, v in stats.items() if isinstance(v, torch.Tensor) and v.device.type != dev.type})
+        lengths = sorted({mb["input_ids"].shape[1] for mbs in minibatches for mb in mbs})
         out[name] = {"seconds": seconds, "rows": len(rows), "microbatches": sum(map(len, minibatches)),
+                     "max_tokens": max_tokens, "lengths": lengths,
                      "keys": sorted(minibatches[0][0]), "stats": {key: float(v) for key, v in stats.items()},
                      "tensors_off_device": off}
         if off:
             out["status"], out["error"] = "failed", f"{name}: tensors off {dev}: {off}"
+        if any(n % multiple for n in lengths):
+            out["status"], out["error"] = "failed", f"{name}: microbatch lengths {lengths} not multiples of {multiple}"
     return out
 
 

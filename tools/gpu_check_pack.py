@@ -5,7 +5,8 @@
 The phases write their files (a JSON each, per-test reports, benchmark folders, install.log,
 exit_codes.txt) into WORK_DIR; this packs all of them into OUT_DIR/gpu_check.tar.gz and writes
 OUT_DIR/summary.json (each phase's status, reason or error, seconds and exit code; "pending" for a
-phase that has not ended; the archive's members). The lent GPU machine hands back at most 8 files
+phase that has not ended; the reach: each claim of the docs' GPU section, exercised here or not
+exercisable on this machine and why, gpu_check.reach; the archive's members). The lent GPU machine hands back at most 8 files
 from $OUT, and a run cut short by its limit hands back what $OUT holds then: so OUT_DIR holds
 exactly these two files, each replaced atomically (written beside, then renamed) after each phase.
 
@@ -21,7 +22,7 @@ import tarfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_check import PHASES  # noqa: E402 - tools/ is no package: the phases' list, from its one home
+from gpu_check import PHASES, reach  # noqa: E402 - tools/ is no package: the phases and claims, from their one home
 
 ARCHIVE = "gpu_check.tar.gz"
 SUMMARY = "summary.json"
@@ -29,10 +30,11 @@ TOP = "gpu_check"  # the archive's one top-level folder: unpacks as gpu_check/<p
 
 
 def summarize(work: Path, seconds: int) -> dict:
-    """Per phase its status (from WORK/<phase>.json; "pending" before it ends) and exit code."""
+    """Per phase its status (from WORK/<phase>.json; "pending" before it ends) and exit code; the
+    reach of each claim of the docs' GPU section in this run."""
     codes_file = work / "exit_codes.txt"
     codes = dict(line.split() for line in codes_file.read_text().splitlines() if line.strip()) if codes_file.exists() else {}
-    phases = {}
+    phases, results = {}, {}
     for phase in PHASES:
         path = work / f"{phase}.json"
         if not path.exists():
@@ -42,9 +44,11 @@ def summarize(work: Path, seconds: int) -> dict:
             result = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             result = {"status": "failed", "error": f"unreadable: {e}"}
+        results[phase] = result
         phases[phase] = {**{k: result[k] for k in ("status", "reason", "error", "seconds") if k in result},
                          "exit_code": int(codes[phase]) if phase in codes else None}
-    return {"seconds": seconds, "complete": all(p["status"] != "pending" for p in phases.values()), "phases": phases}
+    return {"seconds": seconds, "complete": all(p["status"] != "pending" for p in phases.values()), "phases": phases,
+            "reach": reach(results)}
 
 
 def pack(work: Path, out: Path, seconds: int) -> dict:
@@ -71,6 +75,8 @@ def main() -> None:
     args = p.parse_args()
     summary = pack(args.work, args.out, args.seconds)
     print(json.dumps({k: summary[k] for k in ("seconds", "complete", "phases")}))
+    for claim in summary["reach"]:
+        print(f"[gpu_check] {claim['reach']}: {claim['claim']}" + (f" ({claim['why']})" if "why" in claim else ""))
 
 
 if __name__ == "__main__":

@@ -24,10 +24,11 @@ Microbatches, two layouts (`microbatches`):
 - by a token budget (`micro_batch_tokens` N > 0): rows (pairs for DPO) sorted longest first and
   grouped so that rows x the group's longest row <= N (and rows <= micro_batch_size), each
   microbatch padded only to its own longest row, without padding rows. Shapes then differ between
-  microbatches (megatron exchanges them between pipeline stages: `variable_seq_lengths`,
-  learner/model.py), and a microbatch's rows are not in row order: `row_index` says where each
+  microbatches (megatron exchanges them between pipeline stages: `variable_seq_lengths`, on only
+  for this layout, learner/model.py), and a microbatch's rows are not in row order: `row_index` says where each
   came from, and `real_rows_of` / `in_row_order` / `scatter_rows` put them back.
-The real rows of a microbatch are always its first `real_rows` rows. Each microbatch's loss is
+Either layout rounds a length up to a multiple of `seq_multiple` (64 on GPU, 1 on CPU:
+`learner.schedule.microbatch_seq_multiple`). The real rows of a microbatch are always its first `real_rows` rows. Each microbatch's loss is
 scaled (`loss_scale`) so that the mean over microbatches (what the schedule computes) is the mean
 over real rows (pairs for DPO), whatever the layout: the loss is the same function of the batch.
 A loss that averages over tokens within a microbatch (GRPO's token aggregation, PPO's surrogate,
@@ -159,14 +160,17 @@ class Algorithm:
         raise NotImplementedError
 
     def microbatches(self, rows: list[Sample], pad_id: int, micro_batch_size: int,
-                     device: torch.device | str | None = None, max_tokens: int = 0) -> list[Microbatch]:
+                     device: torch.device | str | None = None, max_tokens: int = 0,
+                     seq_multiple: int = 1) -> list[Microbatch]:
         """Rows (from `select`) -> microbatches on `device` (module docstring: the two layouts).
 
         By rows (`max_tokens` 0): the fewest microbatches that hold the rows at `micro_batch_size`
         rows each at most, their size evened out (rounded up to whole pairs) so that padding rows
         are fewer than a pair per microbatch: 100 rows at 32 are 4 x 26, not 4 x 32 with 28 padding
         rows, whose forward and backward would be wasted work. By a token budget (`max_tokens` N):
-        `token_budget_groups`, each microbatch padded to its own longest row.
+        `token_budget_groups`, each microbatch padded to its own longest row. Either way a length is
+        rounded up to a multiple of `seq_multiple` (`learner.schedule.microbatch_seq_multiple`: 64
+        on GPU, 1 on CPU), which the budget counts.
 
         Keys: input_ids, loss_mask (completion tokens), gen_logprobs (when the samples carry
         them), rewards, row_weight, loss_scale, real_rows (an int: rows before the padding), and
@@ -178,11 +182,12 @@ class Algorithm:
             micro_batch_size += 1  # a pair never straddles two microbatches
         per_unit = 2 if self.pairwise else 1
         if max_tokens:
-            groups = token_budget_groups(rows, per_unit, micro_batch_size, max_tokens)
+            groups = token_budget_groups(rows, per_unit, micro_batch_size, max_tokens, seq_multiple)
             layout: list[tuple[TrainBatch, torch.Tensor, int, torch.Tensor | None]] = [
-                (collate([rows[i] for i in g], pad_id), torch.arange(len(g)), len(g), torch.tensor(g)) for g in groups]
+                (collate([rows[i] for i in g], pad_id, pad_to_multiple_of=seq_multiple), torch.arange(len(g)), len(g),
+                 torch.tensor(g)) for g in groups]
         else:
-            batch = collate(rows, pad_id)
+            batch = collate(rows, pad_id, pad_to_multiple_of=seq_multiple)
             n = len(rows)
             n_mb = -(-n // micro_batch_size)
             size = -(-n // (n_mb * per_unit)) * per_unit  # <= the configured size
@@ -281,12 +286,15 @@ def dp_shard(rows: list, unit: int, dp: int, dp_rank: int) -> list:
     return split_units(rows, unit, dp)[dp_rank]
 
 
-def token_budget_groups(rows: list[Sample], per_unit: int, max_rows: int, max_tokens: int) -> list[list[int]]:
+def token_budget_groups(rows: list[Sample], per_unit: int, max_rows: int, max_tokens: int,
+                        seq_multiple: int = 1) -> list[list[int]]:
     """Row positions per microbatch under a token budget: units (`per_unit` consecutive rows, a DPO
     pair) sorted longest first (ties in row order), each group filled while its rows x its longest
-    row <= `max_tokens` and its rows <= `max_rows`. A unit longer than the budget is a group of its own."""
+    row (rounded up to a multiple of `seq_multiple`, as it will be padded) <= `max_tokens` and its
+    rows <= `max_rows`. A unit longer than the budget is a group of its own."""
     units = [list(range(i, i + per_unit)) for i in range(0, len(rows), per_unit)]
-    length = {u[0]: max(len(rows[i].prompt_ids) + len(rows[i].completion_ids) for i in u) for u in units}
+    length = {u[0]: -(-max(len(rows[i].prompt_ids) + len(rows[i].completion_ids) for i in u) // seq_multiple) * seq_multiple
+              for u in units}
     units.sort(key=lambda u: -length[u[0]])
     groups: list[list[int]] = []
     for unit in units:  # longest first: a group's first unit is its longest

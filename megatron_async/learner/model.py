@@ -174,12 +174,14 @@ def unwrap_model(chunk):
 
 
 def transformer_config(arch: LlamaArch, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = None,
-                       perf: "ResolvedPerf | None" = None):
+                       perf: "ResolvedPerf | None" = None, shapes_vary: bool = False):
     """The megatron `TransformerConfig` equivalent to `arch` (dropout off; no CUDA fusions on CPU).
 
     `perf`: the resolved performance settings (`learner.perf`); default: auto for this process's
     backend at `tp` (DP does not matter here). Its backend decides CPU vs CUDA choices, so a GPU
     configuration can be built (and checked) on a CPU machine too.
+    `shapes_vary`: the microbatches of one pass may differ in [batch, seq] (a token budget,
+    trainer.micro_batch_tokens); only then do pipeline stages exchange shapes (`variable_seq_lengths`).
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -226,9 +228,10 @@ def transformer_config(arch: LlamaArch, tp: int = 1, pp: int = 1, dtype: torch.d
         # gloo has no batched isend/irecv ordering problem to work around, and the sync would
         # call torch.cuda.synchronize (cpu-stack.md).
         batch_p2p_sync=cuda,
-        # Microbatches may differ in shape (trainer.micro_batch_tokens): between pipeline stages megatron
-        # then sends each activation's shape (3 integers) before it.
-        variable_seq_lengths=pp > 1,
+        # Microbatches that differ in shape (trainer.micro_batch_tokens): between pipeline stages megatron
+        # then sends each activation's shape (3 integers) before it, a shape exchange and a device sync per
+        # send, so only when they can differ; by rows every microbatch of a pass has the pass's shape.
+        variable_seq_lengths=pp > 1 and shapes_vary,
         # megatron-core refuses variable_seq_lengths with its default MoE token dispatcher (allgather)
         # even for a dense model like ours, which never builds one: naming another passes the check
         moe_token_dispatcher_type="alltoall",
@@ -239,7 +242,8 @@ def transformer_config(arch: LlamaArch, tp: int = 1, pp: int = 1, dtype: torch.d
 
 def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dtype | None = None,
                 perf: "PerfSettings | ResolvedPerf | None" = None,
-                make_vocab_size_divisible_by: int = VOCAB_DIVISIBLE_BY, logits_chunk_bytes: int = 0) -> LearnerModel:
+                make_vocab_size_divisible_by: int = VOCAB_DIVISIBLE_BY, logits_chunk_bytes: int = 0,
+                shapes_vary: bool = False) -> LearnerModel:
     """Build this rank's model chunk(s) (one: no virtual pipeline) with random weights (the
     vocabulary's padding rows zero); load real ones with `learner.mapping.load_hf_weights`.
 
@@ -250,6 +254,7 @@ def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dt
     `make_vocab_size_divisible_by`: the vocabulary is padded to a multiple of it x TP (module
     docstring; the record's `padded_vocab_size`).
     `logits_chunk_bytes`: the record's; `trainer.logits_chunk_mb` (learner/lm_head.py).
+    `shapes_vary`: microbatches of one pass may differ in shape (`transformer_config`).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -272,7 +277,7 @@ def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dt
     if not isinstance(perf, ResolvedPerf):
         perf = resolve(perf, Backend.detect(), tp=tp, dp=parallel_state.get_data_parallel_world_size(),
                        tied_embeddings=arch.tie_word_embeddings)
-    config = transformer_config(arch, tp, pp, dtype, perf=perf)
+    config = transformer_config(arch, tp, pp, dtype, perf=perf, shapes_vary=shapes_vary)
     vocab = padded_vocab_size(arch.vocab_size, tp, make_vocab_size_divisible_by)
     if perf.backend.te:
         spec = get_gpt_layer_with_transformer_engine_spec()

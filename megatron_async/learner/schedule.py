@@ -42,6 +42,17 @@ class Tokens(TypedDict):
     loss_mask: ReadOnly[NotRequired[torch.Tensor]]  # [b, s]: the output is zeroed where it is 0
 
 
+GPU_SEQ_MULTIPLE = 64  # on GPU a microbatch's length is a multiple of this (microbatch_seq_multiple)
+
+
+def microbatch_seq_multiple(device: torch.device | str) -> int:
+    """What a microbatch's length is rounded up to on `device`. On GPU GPU_SEQ_MULTIPLE: kernels plan
+    per shape (cuDNN's fused attention, TE's GEMMs; FP8 GEMMs need multiples of 16), and exact
+    lengths make nearly every step a new shape; 64 keeps the shapes to max length / 64. On CPU 1:
+    exact lengths, so the CPU results recorded in docs/ do not move."""
+    return GPU_SEQ_MULTIPLE if torch.device(device).type == "cuda" else 1
+
+
 MB = TypeVar("MB", bound=Tokens)  # the microbatch record a call passes through to its loss_fn
 Metrics = dict[str, torch.Tensor]
 # (per-token logprobs or values [b, s], the microbatch) -> (scalar loss, metrics)

@@ -66,7 +66,7 @@ def serve_replica(cfg: Config, index: int) -> int:
         return 2
     spec = replica_spec(cfg, Path(prepare_base_model(cfg)).resolve())
     gpu = torch.cuda.is_available()
-    env = {**replica_environment(os.environ), **server_env(spec, r.token, gpu)}  # not the learner's tuning (gpu_env.sh)
+    env = {**replica_environment(os.environ), **server_env(spec, r.token, gpu)}  # the learner's NCCL_*, not its own (launcher.py)
     if devices := replica_devices(cfg):
         env["CUDA_VISIBLE_DEVICES"] = devices[index]
     cmd = server_command(spec, r.host, r.base_port + index, gpu)

@@ -11,13 +11,14 @@ of its own, so the API server, vLLM's engine-core process and its workers form o
   and exec in this threaded process).
 
 The environment of a replica is the launcher's (`replica_environment`) without what is meant for
-the learner only: torchrun's rendezvous variables (vLLM sets up its own torch.distributed world),
-`CUDA_DEVICE_MAX_CONNECTIONS` (launch/gpu_env.sh sets 1 for Megatron's TP overlap; it would leave
-vLLM's streams one hardware queue) and NCCL's tuning variables (NCCL_ALGO, NCCL_PROTO, channel and
-buffer sizes...). NCCL's network selection (NCCL_SOCKET_*, NCCL_IB_*, NCCL_NET*) and NCCL_DEBUG
-stay: the learner and a replica's workers form one NCCL group for weight sync (rollout.
-weight_transport: nccl) and must find the same interfaces. A replica that needs one of the dropped
-variables gets it through the pool's `env` (or ReplicaSpec.env).
+the learner only: torchrun's rendezvous variables (vLLM sets up its own torch.distributed world)
+and `CUDA_DEVICE_MAX_CONNECTIONS` (launch/gpu_env.sh sets 1 for Megatron's TP overlap; it would
+leave vLLM's streams one hardware queue). Every NCCL_* variable stays, the transport's tuning
+(NCCL_ALGO, NCCL_PROTO, channels, buffer sizes) as well as its network selection: the learner's
+senders and a replica's workers form one NCCL communicator for weight sync (rollout.
+weight_transport: nccl), and peers of one communicator must set the same NCCL_* variables or it
+hangs (vLLM says so where it pins its own, vllm/utils/nccl.py). A replica that needs a dropped
+variable gets it through the pool's `env` (or ReplicaSpec.env).
 
 The pool (`pool.py`) supervises: failure budget, restarts, requeues, "stale until re-synced". A
 launcher only starts, reports, kills and shows logs. Servers started elsewhere (another node, a
@@ -45,15 +46,13 @@ TORCHRUN_VARS = {
     "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
 }
 LEARNER_ONLY_VARS = {"CUDA_DEVICE_MAX_CONNECTIONS"}
-NCCL_NETWORK_PREFIXES = ("NCCL_SOCKET_", "NCCL_IB_", "NCCL_NET", "NCCL_DEBUG")  # kept: see the module docstring
 
 
 def replica_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """What a replica's server inherits of `environ` (this process's environment): all but the
-    learner's own variables (torchrun's rendezvous, CUDA_DEVICE_MAX_CONNECTIONS, NCCL tuning)."""
+    learner's own variables (torchrun's rendezvous, CUDA_DEVICE_MAX_CONNECTIONS); NCCL_* stays."""
     def learner_only(key: str) -> bool:
-        return (key in TORCHRUN_VARS or key.startswith("TORCHELASTIC_") or key in LEARNER_ONLY_VARS
-                or (key.startswith("NCCL_") and not key.startswith(NCCL_NETWORK_PREFIXES)))
+        return key in TORCHRUN_VARS or key.startswith("TORCHELASTIC_") or key in LEARNER_ONLY_VARS
     return {k: v for k, v in environ.items() if not learner_only(k)}
 
 

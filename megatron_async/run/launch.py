@@ -30,7 +30,7 @@ import torch
 
 from megatron_async.cluster.cpu_affinity import pin_learner
 from megatron_async.cluster.placement import check_runtime, cpu_plan, nproc_per_node
-from megatron_async.config import Config, ConfigError
+from megatron_async.config import Config, ConfigError, stop_budget
 from megatron_async.learner.parallel import destroy_parallel, free_port
 from megatron_async.observability.logs import attach_log_file
 from megatron_async.run.preflight import preflight
@@ -136,9 +136,9 @@ def resume_command(config_path: str, overrides: list[str]) -> str:
 
 def torchrun_stop_flags(cfg: Config) -> list[str]:
     """torchrun forwards SIGUSR1 too (its default list lacks it), and waits for the ranks' stop
-    (run.stop_deadline_s + 60 s) before it kills them. launch/*.sh pass the same two flags."""
+    (config.stop_budget) before it kills them. launch/*.sh pass the same two flags."""
     return ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-            f"--shutdown-timeout={int(cfg.run.stop_deadline_s) + 60}"]
+            f"--shutdown-timeout={stop_budget(cfg.run).shutdown_timeout_s}"]
 
 
 def run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> int:

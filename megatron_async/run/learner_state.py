@@ -22,7 +22,8 @@ from megatron_async.algorithms import Algorithm, build_algorithm, dp_shard, spli
 from megatron_async.algorithms.base import Microbatch, attach
 from megatron_async.algorithms.batching import Sample
 from megatron_async.config import Config, ConfigError, model_dtype
-from megatron_async.learner.schedule import LossFn, compute_logprobs, compute_values, recording, share_with_pipeline
+from megatron_async.learner.schedule import (LossFn, compute_logprobs, compute_values, microbatch_seq_multiple, recording,
+                                             share_with_pipeline)
 from megatron_async.learner.mapping import load_hf_weights
 from megatron_async.learner.model import LearnerModel, build_model, read_arch
 from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
@@ -80,15 +81,16 @@ class LearnerState:
         perf = PerfSettings.from_config(cfg.parallel)  # parallel.* GPU settings, resolved per model (learner/perf.py)
         vocab_pad = cfg.model.make_vocab_size_divisible_by  # learner/model.py: vocabulary padding
         chunk_bytes = t.logits_chunk_mb << 20  # learner/lm_head.py: 0 = each microbatch's logits at once
+        shapes_vary = t.micro_batch_tokens > 0  # a token budget's microbatches differ in shape (learner/model.py)
         dtype_name, why = model_dtype(cfg.model)  # bf16: fp32 main weights in the optimizer (learner/optimizer.py)
         if layout.rank == 0:
             log.info("learner: %s (%s)", dtype_name, why)
         dtype = getattr(torch, dtype_name)
         policy = build_model(init_model, dtype=dtype, perf=perf, make_vocab_size_divisible_by=vocab_pad,
-                             logits_chunk_bytes=chunk_bytes)
+                             logits_chunk_bytes=chunk_bytes, shapes_vary=shapes_vary)
         load_hf_weights(policy, init_model)
         reference = build_model(init_model, dtype=dtype, perf=perf, make_vocab_size_divisible_by=vocab_pad,
-                                logits_chunk_bytes=chunk_bytes)
+                                logits_chunk_bytes=chunk_bytes, shapes_vary=shapes_vary)
         load_hf_weights(reference, init_model)
         for chunk in reference.chunks:
             chunk.requires_grad_(False)
@@ -97,7 +99,7 @@ class LearnerState:
         if algorithm.value_model:  # starts from the reward model if there is one, else the policy
             value_model = build_value_model(cfg.reward.model_path if value_from_rm else init_model,
                                        from_reward_model=value_from_rm, dtype=dtype, perf=perf,
-                                       make_vocab_size_divisible_by=vocab_pad)
+                                       make_vocab_size_divisible_by=vocab_pad, shapes_vary=shapes_vary)
             value_lr = t.value_lr or t.lr  # the policy's schedule shape, scaled to value_lr
             value = Trainable(*build_optimizer(value_model, dataclasses.replace(settings, lr=value_lr,
                                                                            min_lr=t.min_lr * value_lr / t.lr)))
@@ -138,8 +140,8 @@ class LearnerState:
         metrics.update({"train/rows": float(len(rows)), "train/rows_this_dp_rank": float(sum(map(len, parts))),
                         # prompt + completion tokens, counted once per pass (not the microbatches' padding)
                         "train/tokens": float(updates * sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows))})
-        minibatches = [algo.microbatches(part, self.pad_id, t.micro_batch_size, self.layout.device, t.micro_batch_tokens)
-                       for part in parts]
+        minibatches = [algo.microbatches(part, self.pad_id, t.micro_batch_size, self.layout.device, t.micro_batch_tokens,
+                                         seq_multiple=microbatch_seq_multiple(self.layout.device)) for part in parts]
         real_tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for part in parts for r in part)
         metrics["train/padding_fraction"] = 1 - real_tokens / sum(mb["input_ids"].numel() for mbs in minibatches for mb in mbs)
         # One optimizer step: the staleness monitor reads the learner's logprobs off its training forward

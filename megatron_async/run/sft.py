@@ -25,6 +25,7 @@ from megatron_async.learner.model import build_model
 from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
 from megatron_async.learner.parallel import ParallelLayout
 from megatron_async.learner.perf import PerfSettings
+from megatron_async.learner.schedule import microbatch_seq_multiple
 from megatron_async.observability.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,8 @@ def run_sft(cfg: Config, base: Path, tokenizer, layout: ParallelLayout, tracker:
     bar = tqdm(range(s.steps), desc="SFT", disable=layout.rank != 0, mininterval=2)
     for step in bar:
         rows = sft_rows(data.take(s.batch_size), tokenizer)
-        mbs = nll.microbatches(rows, tokenizer.pad_token_id, cfg.trainer.micro_batch_size, layout.device)
+        mbs = nll.microbatches(rows, tokenizer.pad_token_id, cfg.trainer.micro_batch_size, layout.device,
+                               seq_multiple=microbatch_seq_multiple(layout.device))
         metrics = train_step(policy, optimizer, scheduler, mbs, nll.loss)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
         if step % 10 == 0 or step == s.steps - 1:
