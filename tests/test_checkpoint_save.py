@@ -40,12 +40,22 @@ def fake_learner(version: int) -> SimpleNamespace:
     return SimpleNamespace(value=None, policy=SimpleNamespace(model=None, optimizer=None, scheduler=None), version=version)
 
 
+def writer_request(write):
+    """A stand-in for learner/checkpoint.py's `begin_checkpoint`: megatron's request (no background
+    writer) whose finalize function runs `write(ckpt_dir, files)`."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    def begin(ckpt_dir, model, optimizer, scheduler, extra=None, files=None, parts=None):
+        return AsyncRequest(None, (), [lambda: write(ckpt_dir, files)])
+    return begin
+
+
 def test_a_failed_save_keeps_the_previous_checkpoint_and_removes_its_partial_files(one_rank_group, monkeypatch,
                                                                                     tmp_path):
     """The learner's writer fills `<dir>.tmp` and renames it into place when done (learner/checkpoint.py);
     here it stops half way with ENOSPC at the second save, and rank 0's own write (`latest`) with EROFS
     at the third."""
-    def writer(ckpt_dir, model, optimizer, scheduler, extra=None, files=None, parts=None):
+    def writer(ckpt_dir, files):
         tmp = ckpt_dir.with_name(ckpt_dir.name + ".tmp")
         (tmp / "dist").mkdir(parents=True)
         (tmp / "dist" / "shard").write_bytes(b"x" * 1000)
@@ -55,7 +65,7 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_removes_its_partial_fil
             (tmp / name).write_bytes(src.read_bytes())
         return replace_dir(tmp, ckpt_dir)
 
-    monkeypatch.setattr(run_checkpoint, "save_checkpoint", writer)
+    monkeypatch.setattr(run_checkpoint, "begin_checkpoint", writer_request(writer))
     cfg, learner = run_config(tmp_path), fake_learner(version=1)
     first = save_run_checkpoint(cfg, learner, one_rank_group, next_step=1)
     saved = {p: p.read_bytes() for p in first.rglob("*") if p.is_file()}
@@ -80,10 +90,10 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_removes_its_partial_fil
 
 
 def test_a_save_without_an_earlier_checkpoint_says_there_is_none(one_rank_group, monkeypatch, tmp_path):
-    def full_disk(ckpt_dir, *args, **kwargs):
+    def full_disk(ckpt_dir, files):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(run_checkpoint, "save_checkpoint", full_disk)
+    monkeypatch.setattr(run_checkpoint, "begin_checkpoint", writer_request(full_disk))
     learner = fake_learner(version=0)
     with pytest.raises(CheckpointSaveError, match=r"\(step 5\): OSError: \[Errno 28\] No space left on device; its "
                                                   r"partial files were removed and no earlier checkpoint exists$"):
