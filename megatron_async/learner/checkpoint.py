@@ -18,8 +18,8 @@ tmp dir into place (an existing checkpoint at `dir` is replaced only after the n
 complete). No rank reads another's files. `begin_checkpoint` returns that save as megatron's
 `AsyncRequest`: run now (`execute_sync`, what `save_checkpoint` does) or in a background process
 (`AsyncCallsQueue`, run/checkpoint.py), its finalize functions making it visible.
-Loading verifies the checksums (each rank a share of the files, `check_files`) and refuses a checkpoint of another architecture with a message naming the fields, and
-optimizer state saved at another parameter dtype (fp32's `FP32Optimizer` state has no fp32 main
+Loading verifies sizes and checksums (each rank a share of the files, `verify_collectively`) and
+refuses a checkpoint of another architecture with a message naming the fields, and optimizer state saved at another parameter dtype (fp32's `FP32Optimizer` state has no fp32 main
 weights for bf16's mixed-precision optimizer to resume from, and bf16's would be dropped).
 An optimizer that has not stepped yet (Online DPO's first batches may form no pair) holds no Adam
 moments, and megatron's load would ask for them (KeyError optimizer.state.exp_avg...): its
@@ -54,7 +54,7 @@ DIGESTS = "rank_digests"  # in `<dir>.tmp` only: each rank's digests of the file
 HASH_THREADS = os.cpu_count() or 1  # hashlib releases the GIL while it hashes: one file per thread
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -65,7 +65,7 @@ def _sha256(path: Path) -> str:
 def file_digests(root: Path, paths: list[Path]) -> dict[str, dict]:
     """{name relative to root: {"sha256", "bytes"}} of `paths`, hashed in parallel threads."""
     with ThreadPoolExecutor(max(1, min(HASH_THREADS, len(paths)))) as pool:
-        digests = list(pool.map(_sha256, paths))
+        digests = list(pool.map(sha256_file, paths))
     return {str(p.relative_to(root)): {"sha256": d, "bytes": p.stat().st_size} for p, d in zip(paths, digests)}
 
 

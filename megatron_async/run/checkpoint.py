@@ -17,8 +17,14 @@ position), so on resume it is generated again, by the same policy version with t
 A crash mid-save leaves `step_X.tmp`, which is never loaded: `latest` only ever names a directory
 whose manifest was written last and whose checksums verify on load.
 
+With trainer.async_save (`RunCheckpoints`), the shards are written by a background process per
+rank through megatron's `AsyncCallsQueue` while the learner goes on; at each step boundary the
+ranks complete a save that every rank has written (manifest, rename, `latest`). One save at a time;
+a stop and the run's end wait for the one under way; killed before that, the run leaves
+`step_X.tmp` and `latest` naming the previous checkpoint.
+
 A save that fails (a full disk, a folder that turned read-only) raises `CheckpointSaveError` on
-every rank: what it wrote is removed, `latest` and the previous checkpoint are left as they were,
+every rank (for a background save, at the boundary that completes it): what it wrote is removed, `latest` and the previous checkpoint are left as they were,
 and the message names the checkpoint, the error and the previous one to resume from.
 
 `--resume` continues from `latest`, or from `run.resume_from` (a step_N folder name or a path);
