@@ -100,6 +100,43 @@ def test_a_save_without_an_earlier_checkpoint_says_there_is_none(one_rank_group,
         save_run_checkpoint(run_config(tmp_path), learner, one_rank_group, next_step=5)
 
 
+def test_the_ranks_verify_shares_that_cover_every_file_once_and_balance_the_bytes():
+    from megatron_async.learner.checkpoint import file_share
+
+    sizes = {f"dist/__{r}_{i}.distcp": 1000 * (r + 1) + i for r in range(4) for i in range(2)}
+    manifest = {"files": {name: "digest" for name in [*sizes, "common.pt"]}, "sizes": {**sizes, "common.pt": 10}}
+    shares = [file_share(manifest, rank, 3) for rank in range(3)]
+    assert sorted(name for share in shares for name in share) == sorted(manifest["files"])
+    loads = [sum(manifest["sizes"][name] for name in share) for share in shares]
+    assert max(loads) - min(loads) <= max(sizes.values()), loads
+    assert file_share(manifest, 0, 1) == sorted(manifest["files"], key=lambda n: (-manifest["sizes"][n], n))
+
+
+def test_a_file_of_another_size_or_content_is_named(tmp_path):
+    """Sizes are checked for every file a rank verifies, contents where asked (`check_files`)."""
+    from megatron_async.learner.checkpoint import check_files, file_digests
+
+    for name, data in (("dist/__0_0.distcp", b"a" * 4096), ("rollout_state.json", b"{}")):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    digests = file_digests(tmp_path, sorted(p for p in tmp_path.rglob("*") if p.is_file()))
+    manifest = {"files": {n: d["sha256"] for n, d in digests.items()}, "sizes": {n: d["bytes"] for n, d in digests.items()}}
+    check_files(tmp_path, manifest)
+    with open(tmp_path / "dist" / "__0_0.distcp", "r+b") as f:
+        f.write(b"b")  # the same size
+    check_files(tmp_path, manifest, contents=False)
+    with pytest.raises(ValueError, match=rf"checkpoint {tmp_path}: file dist/__0_0.distcp is corrupt \(sha256 differs"):
+        check_files(tmp_path, manifest)
+    check_files(tmp_path, manifest, ["rollout_state.json"])  # another rank's share
+    with open(tmp_path / "dist" / "__0_0.distcp", "ab") as f:
+        f.write(b"padding")
+    with pytest.raises(ValueError, match=r"file dist/__0_0.distcp is corrupt \(4103 bytes, the manifest says 4096\)"):
+        check_files(tmp_path, manifest, contents=False)
+    (tmp_path / "rollout_state.json").unlink()
+    with pytest.raises(ValueError, match=r"file rollout_state.json listed in the manifest is missing"):
+        check_files(tmp_path, manifest, ["rollout_state.json"])
+
+
 def test_the_resume_command_a_run_prints_leaves_run_resume_from_out():
     """A run resumed from an earlier checkpoint moved `latest` to it; repeating the override would go back again."""
     from megatron_async.run.launch import resume_command

@@ -442,8 +442,9 @@ def _check_resume(cfg: Config, arch: LlamaArch | None) -> None:
     """run.resume: the checkpoint to continue from (`run.checkpoint.resume_checkpoint`: run.resume_from,
     else the latest) exists, every file of it matches its manifest's size and sha256 (each file read
     once here, hashed in threads, split over the ranks' preflights: `_verify_share`; and again when
-    the ranks load it, docs/checkpoints.md), and it holds the model this config builds (`_check_resumed_model`). A corrupt one is refused, naming the newest intact checkpoint
-    and the override that resumes from it; it is not skipped on the quiet (docs/checkpoints.md)."""
+    the ranks load it, docs/checkpoints.md), and it holds the model this config builds
+    (`_check_resumed_model`). A corrupt one is refused, naming the newest intact checkpoint and the
+    override that resumes from it; it is not skipped on the quiet (docs/checkpoints.md)."""
     run, root = cfg.run, checkpoint_root(cfg)
     if not run.resume:
         _require(not run.resume_from, "run.resume_from", run.resume_from,
