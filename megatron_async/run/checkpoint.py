@@ -224,7 +224,9 @@ class RunCheckpoints:
         """A save still under way (the run ends on an error) is stopped, not completed: `latest`
         keeps naming the previous checkpoint."""
         if self.queue is not None and self.pending is not None:
-            self.queue.close(abort=True)
+            for call in self.queue.async_calls:  # megatron's queue.close(abort=True) stops persistent callers only
+                call.async_caller.close(abort=True)  # kills the save's writer process
+            self.queue.async_calls.clear()
             self.pending = None
 
 
