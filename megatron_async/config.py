@@ -387,6 +387,9 @@ class TrainerConfig:
     gamma: float = opt(1.0, "PPO discount")
     lam: float = opt(0.95, "PPO GAE lambda")
     checkpoint_every: int = opt(10, "steps between checkpoints (0 = only at the end)")
+    async_save: bool = opt(True,
+        "write each checkpoint in a background process (megatron-core's async save) while the learner goes on; "
+        "`latest` moves once it is complete; a stop waits for it (docs/checkpoints.md)")
     eval_every: int = opt(0, "steps between pass@1 evaluations (0 = before and after only)")
     max_bad_steps: int = opt(3,
         "consecutive bad steps (NaN/inf loss or gradients, or no sample with a reward) before the run stops with "

@@ -40,12 +40,22 @@ def fake_learner(version: int) -> SimpleNamespace:
     return SimpleNamespace(value=None, policy=SimpleNamespace(model=None, optimizer=None, scheduler=None), version=version)
 
 
+def writer_request(write):
+    """A stand-in for learner/checkpoint.py's `begin_checkpoint`: megatron's request (no background
+    writer) whose finalize function runs `write(ckpt_dir, files)`."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    def begin(ckpt_dir, model, optimizer, scheduler, extra=None, files=None, parts=None):
+        return AsyncRequest(None, (), [lambda: write(ckpt_dir, files)])
+    return begin
+
+
 def test_a_failed_save_keeps_the_previous_checkpoint_and_removes_its_partial_files(one_rank_group, monkeypatch,
                                                                                     tmp_path):
     """The learner's writer fills `<dir>.tmp` and renames it into place when done (learner/checkpoint.py);
     here it stops half way with ENOSPC at the second save, and rank 0's own write (`latest`) with EROFS
     at the third."""
-    def writer(ckpt_dir, model, optimizer, scheduler, extra=None, files=None, parts=None):
+    def writer(ckpt_dir, files):
         tmp = ckpt_dir.with_name(ckpt_dir.name + ".tmp")
         (tmp / "dist").mkdir(parents=True)
         (tmp / "dist" / "shard").write_bytes(b"x" * 1000)
@@ -55,7 +65,7 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_removes_its_partial_fil
             (tmp / name).write_bytes(src.read_bytes())
         return replace_dir(tmp, ckpt_dir)
 
-    monkeypatch.setattr(run_checkpoint, "save_checkpoint", writer)
+    monkeypatch.setattr(run_checkpoint, "begin_checkpoint", writer_request(writer))
     cfg, learner = run_config(tmp_path), fake_learner(version=1)
     first = save_run_checkpoint(cfg, learner, one_rank_group, next_step=1)
     saved = {p: p.read_bytes() for p in first.rglob("*") if p.is_file()}
@@ -80,14 +90,51 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_removes_its_partial_fil
 
 
 def test_a_save_without_an_earlier_checkpoint_says_there_is_none(one_rank_group, monkeypatch, tmp_path):
-    def full_disk(ckpt_dir, *args, **kwargs):
+    def full_disk(ckpt_dir, files):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(run_checkpoint, "save_checkpoint", full_disk)
+    monkeypatch.setattr(run_checkpoint, "begin_checkpoint", writer_request(full_disk))
     learner = fake_learner(version=0)
     with pytest.raises(CheckpointSaveError, match=r"\(step 5\): OSError: \[Errno 28\] No space left on device; its "
                                                   r"partial files were removed and no earlier checkpoint exists$"):
         save_run_checkpoint(run_config(tmp_path), learner, one_rank_group, next_step=5)
+
+
+def test_the_ranks_verify_shares_that_cover_every_file_once_and_balance_the_bytes():
+    from megatron_async.learner.checkpoint import file_share
+
+    sizes = {f"dist/__{r}_{i}.distcp": 1000 * (r + 1) + i for r in range(4) for i in range(2)}
+    manifest = {"files": {name: "digest" for name in [*sizes, "common.pt"]}, "sizes": {**sizes, "common.pt": 10}}
+    shares = [file_share(manifest, rank, 3) for rank in range(3)]
+    assert sorted(name for share in shares for name in share) == sorted(manifest["files"])
+    loads = [sum(manifest["sizes"][name] for name in share) for share in shares]
+    assert max(loads) - min(loads) <= max(sizes.values()), loads
+    assert file_share(manifest, 0, 1) == sorted(manifest["files"], key=lambda n: (-manifest["sizes"][n], n))
+
+
+def test_a_file_of_another_size_or_content_is_named(tmp_path):
+    """Sizes are checked for every file a rank verifies, contents where asked (`check_files`)."""
+    from megatron_async.learner.checkpoint import check_files, file_digests
+
+    for name, data in (("dist/__0_0.distcp", b"a" * 4096), ("rollout_state.json", b"{}")):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    digests = file_digests(tmp_path, sorted(p for p in tmp_path.rglob("*") if p.is_file()))
+    manifest = {"files": {n: d["sha256"] for n, d in digests.items()}, "sizes": {n: d["bytes"] for n, d in digests.items()}}
+    check_files(tmp_path, manifest)
+    with open(tmp_path / "dist" / "__0_0.distcp", "r+b") as f:
+        f.write(b"b")  # the same size
+    check_files(tmp_path, manifest, contents=False)
+    with pytest.raises(ValueError, match=rf"checkpoint {tmp_path}: file dist/__0_0.distcp is corrupt \(sha256 differs"):
+        check_files(tmp_path, manifest)
+    check_files(tmp_path, manifest, ["rollout_state.json"])  # another rank's share
+    with open(tmp_path / "dist" / "__0_0.distcp", "ab") as f:
+        f.write(b"padding")
+    with pytest.raises(ValueError, match=r"file dist/__0_0.distcp is corrupt \(4103 bytes, the manifest says 4096\)"):
+        check_files(tmp_path, manifest, contents=False)
+    (tmp_path / "rollout_state.json").unlink()
+    with pytest.raises(ValueError, match=r"file rollout_state.json listed in the manifest is missing"):
+        check_files(tmp_path, manifest, ["rollout_state.json"])
 
 
 def test_the_resume_command_a_run_prints_leaves_run_resume_from_out():

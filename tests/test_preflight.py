@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -372,15 +373,18 @@ def test_a_replica_port_another_process_holds_is_refused_naming_the_replica(monk
 def write_checkpoint(cfg, step: int, arch: dict, value_arch: dict | None = None) -> Path:
     """A run checkpoint's folder as `run.checkpoint.save_run_checkpoint` leaves it, for the preflight
     (which reads its manifest and files, not the tensors): manifest.json with the saved architecture
-    and every file's sha256, and `latest` naming it."""
-    from megatron_async.learner.checkpoint import FORMAT, MANIFEST, _checksums
+    and every file's sha256 and size, and `latest` naming it."""
+    from megatron_async.learner.checkpoint import FORMAT, MANIFEST, file_digests
     from megatron_async.run.checkpoint import ROLLOUT_STATE, checkpoint_root
 
     def manifest(folder: Path, arch: dict) -> None:
         (folder / "dist").mkdir(parents=True)
         (folder / "dist" / "__0_0.distcp").write_bytes(os.urandom(4096))
+        files = file_digests(folder, [p for p in sorted(folder.rglob("*")) if p.is_file()])
         (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "arch": arch, "has_optimizer": True,
-                                                   "extra": {"next_step": step}, "files": _checksums(folder)}))
+                                                   "extra": {"next_step": step},
+                                                   "files": {name: d["sha256"] for name, d in files.items()},
+                                                   "sizes": {name: d["bytes"] for name, d in files.items()}}))
 
     path = checkpoint_root(cfg) / f"step_{step:06d}"
     if value_arch is not None:
@@ -439,9 +443,14 @@ def test_resume_from_a_corrupt_checkpoint_names_the_newest_intact_one(tmp_path, 
                                           rf"newest intact checkpoint is {first} \(step 10\): resume from it with "
                                           r"--resume run.resume_from=step_000010 \(the steps after it are trained again\)"):
         preflight(cfg)
-    monkeypatch.setenv("RANK", "1")  # another rank's preflight (under torchrun): rank 0's reads the files
-    preflight(cfg)
-    monkeypatch.delenv("RANK")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun each rank's preflight hashes its share of the files
+    for rank, refused in ((1, False), (0, True)):  # the larger file, the corrupt one, is rank 0's
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        with pytest.raises(ConfigError, match=r"file dist/__0_0.distcp is corrupt") if refused else nullcontext():
+            preflight(cfg)
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name)
     again = load_config(None, [*run, "run.resume_from=step_000010"])
     preflight(again)
     assert resume_checkpoint(again) == first

@@ -147,7 +147,21 @@ class FakeReport:
 def no_files(monkeypatch):
     """The checkpoint and the HF export are the learner's (tested with megatron elsewhere)."""
     saved = []
-    monkeypatch.setattr(trainer_mod, "save_run_checkpoint", lambda cfg, learner, ctrl, next_step, *a: saved.append(next_step) or f"ckpt{next_step}")
+
+    class RecordedCheckpoints:  # run/checkpoint.py's RunCheckpoints: the steps saved
+        def __init__(self, cfg, learner, ctrl, asynchronous):
+            pass
+
+        def save(self, next_step, rollout=None, report=None):
+            saved.append(next_step)
+            return f"ckpt{next_step}"
+
+        def poll(self):
+            pass
+
+        wait = close = poll
+
+    monkeypatch.setattr(trainer_mod, "RunCheckpoints", RecordedCheckpoints)
     monkeypatch.setattr(trainer_mod, "export_hf", lambda *a, **k: None)
     monkeypatch.setattr(trainer_mod, "latest_checkpoint", lambda cfg: None)
     return saved

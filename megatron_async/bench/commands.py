@@ -5,6 +5,7 @@
     megatron-async bench rollout [bench/rollout.py arguments]   # replica start-up, tokens/s, sync seconds
     megatron-async bench learner [bench/learner.py arguments]   # our learner step vs plain PyTorch
     megatron-async bench lm-head [CHUNK_MB ...]                 # the LM head alone, whole vs chunked
+    megatron-async bench checkpoint [bench/checkpoint.py arguments]   # a save's cost, sync vs async
     megatron-async bench sync-profile [--models tiny smollm2]    # a replica's side of a sync, per phase
 
 `async`: the same config, seeds and steps are trained with rollout.max_lag=0 (synchronous
@@ -569,6 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "arguments follow)", add_help=False)
     sub.add_parser("learner", help="our learner step vs a plain PyTorch step of the same batch (bench/learner.py)",
                    add_help=False)
+    sub.add_parser("checkpoint", help="a run checkpoint's cost to the learner, sync vs async, and its hashing "
+                   "(bench/checkpoint.py)", add_help=False)
     sub.add_parser("lm-head", help="the LM head's logprobs alone, whole against chunked (bench/lm_head.py; "
                                    "chunk sizes in MB follow)", add_help=False)
     sub.add_parser("sync-profile", help="a replica's side of a weight sync, per phase and bucket, in this process "
@@ -577,9 +580,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Subcommands that parse their own arguments and run in this process, imported only when asked for:
-# bench.learner and bench.lm_head import megatron-core, which async and sweep (they only start
+# bench.learner, bench.checkpoint and bench.lm_head import megatron-core, which async and sweep (they only start
 # `megatron-async train` subprocesses) never need.
 OWN_ARGUMENTS = {"rollout": "megatron_async.bench.rollout", "learner": "megatron_async.bench.learner",
+                 "checkpoint": "megatron_async.bench.checkpoint",
                  "lm-head": "megatron_async.bench.lm_head", "sync-profile": "megatron_async.bench.sync_profile"}
 
 

@@ -17,8 +17,14 @@ position), so on resume it is generated again, by the same policy version with t
 A crash mid-save leaves `step_X.tmp`, which is never loaded: `latest` only ever names a directory
 whose manifest was written last and whose checksums verify on load.
 
+With trainer.async_save (`RunCheckpoints`), the shards are written by a background process per
+rank through megatron's `AsyncCallsQueue` while the learner goes on; at each step boundary the
+ranks complete a save that every rank has written (manifest, rename, `latest`). One save at a time;
+a stop and the run's end wait for the one under way; killed before that, the run leaves
+`step_X.tmp` and `latest` naming the previous checkpoint.
+
 A save that fails (a full disk, a folder that turned read-only) raises `CheckpointSaveError` on
-every rank: what it wrote is removed, `latest` and the previous checkpoint are left as they were,
+every rank (for a background save, at the boundary that completes it): what it wrote is removed, `latest` and the previous checkpoint are left as they were,
 and the message names the checkpoint, the error and the previous one to resume from.
 
 `--resume` continues from `latest`, or from `run.resume_from` (a step_N folder name or a path);
@@ -33,6 +39,8 @@ import logging
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,9 +49,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_async.config import Config
 from megatron_async.io_utils import atomic_write_text
-from megatron_async.learner.checkpoint import MANIFEST, load_checkpoint, rank0_then_share, read_manifest, save_checkpoint
+from megatron_async.learner.checkpoint import (MANIFEST, begin_checkpoint, load_checkpoint, rank0_then_share, read_manifest,
+                                              save_checkpoint)
 
 if TYPE_CHECKING:  # the states hold the checkpoint's contents; they never import this module's callers
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
     from megatron_async.run.learner_state import LearnerState
     from megatron_async.run.report import StepReport
     from megatron_async.run.rollout_state import RolloutState
@@ -78,18 +89,48 @@ def run_checkpoints(cfg: Config) -> list[Path]:
                   key=checkpoint_step)
 
 
-def save_run_checkpoint(cfg: Config, learner: LearnerState, ctrl: dist.ProcessGroup, next_step: int,
-                        rollout: RolloutState | None = None, report: StepReport | None = None) -> Path:
-    """All ranks; learner shards come from every rank. Rank 0 of `ctrl` writes rollout_state.json
-    with the state of `rollout` and `report` (rank 0's; None where a caller has none: null in the file).
-    A failure on any rank is a `CheckpointSaveError` on every rank (module docstring): rank 0's own
-    writes share their outcome (`rank0_then_share`) like the collective ones, so no rank waits for
-    one that gave up."""
+@dataclass
+class RunSave:
+    """A run checkpoint under way: megatron's request that writes it (learner/checkpoint.py's
+    `begin_checkpoint`, with `latest` and the pruning added to its finalize functions), and what a
+    failure removes and says."""
+    path: Path
+    previous: Path | None  # what `latest` named when the save began
+    rank0: bool
+    state_dir: Path | None  # rank 0's rollout_state.json until the save copies it in
+    request: AsyncRequest | None = None  # set once `begin_run_checkpoint` got it
+
+    @contextmanager
+    def failing_as_save_error(self):
+        """Any failure of the save, re-raised as one `CheckpointSaveError` naming it, after removing
+        what it wrote; torch's CheckpointException (what megatron's writer raises) is a BaseException."""
+        try:
+            yield
+        except (Exception, CheckpointException) as e:  # noqa: BLE001
+            if self.rank0:  # free what the save took (a full disk needs the room); never the previous checkpoint
+                root = self.path.parent
+                written = [self.path] if self.path != self.previous else []  # complete, but `latest` could not name it
+                for partial in (*written, self.path.with_name(self.path.name + ".tmp"), root / VALUE_STAGING,
+                                root / f"{VALUE_STAGING}.tmp", self.state_dir):
+                    if partial is not None:
+                        shutil.rmtree(partial, ignore_errors=True)
+            raise CheckpointSaveError(_save_failure(self.path, e, self.previous)) from e
+
+
+def begin_run_checkpoint(cfg: Config, learner: LearnerState, ctrl: dist.ProcessGroup, next_step: int,
+                         rollout: RolloutState | None = None, report: StepReport | None = None) -> RunSave:
+    """All ranks: start checkpoint step_<next_step>; its request, once run (`execute_sync` or
+    megatron's `AsyncCallsQueue`), makes it complete and points `latest` at it. Rank 0 of `ctrl`
+    writes rollout_state.json now, with the state of `rollout` and `report` (rank 0's; None where a
+    caller has none: null in the file); PPO's value model is saved now, before the policy's request.
+    A failure here, or of the request (run it inside `failing_as_save_error`), is a
+    `CheckpointSaveError` on every rank (module docstring): rank 0's own writes share their outcome
+    (`rank0_then_share`) like the collective ones, so no rank waits for one that gave up."""
     root = checkpoint_root(cfg)
     path = root / f"step_{next_step:06d}"
     rank0 = dist.get_rank(ctrl) == 0
-    previous = latest_checkpoint(cfg)
     state_dir = Path(tempfile.mkdtemp(prefix="rollout-state-")) if rank0 else None
+    save = RunSave(path, latest_checkpoint(cfg), rank0, state_dir)
 
     def write_rollout_state() -> dict[str, Path]:  # rank 0 only
         assert state_dir is not None
@@ -99,33 +140,94 @@ def save_run_checkpoint(cfg: Config, learner: LearnerState, ctrl: dist.ProcessGr
         (state_dir / ROLLOUT_STATE).write_text(json.dumps(state))
         return {ROLLOUT_STATE: state_dir / ROLLOUT_STATE}
 
-    try:
-        files = rank0_then_share(write_rollout_state)  # read on rank 0 only (save_checkpoint)
+    def make_latest() -> None:  # all ranks: the request's last finalize function
+        rank0_then_share(lambda: atomic_write_text(root / "latest", path.name))
+        if rank0:
+            assert state_dir is not None
+            shutil.rmtree(state_dir, ignore_errors=True)
+            _prune(cfg, path)
+            log.info("checkpoint saved: %s", path)
+        dist.barrier(group=ctrl)
+
+    with save.failing_as_save_error():
+        files = rank0_then_share(write_rollout_state)  # read on rank 0 only (begin_checkpoint's finish)
         parts = {}
         if learner.value is not None:  # PPO: saved complete first, then moved into the run checkpoint
             v = learner.value
             parts["value"] = save_checkpoint(root / VALUE_STAGING, v.model, v.optimizer, v.scheduler)
         p = learner.policy
-        save_checkpoint(path, p.model, p.optimizer, p.scheduler,
-                        extra={"next_step": next_step, "version": learner.version}, files=files, parts=parts)
-        rank0_then_share(lambda: atomic_write_text(root / "latest", path.name))
-    # any failure of the save, re-raised as one error naming it; torch's CheckpointException (what
-    # megatron's writer raises) is a BaseException
-    except (Exception, CheckpointException) as e:  # noqa: BLE001
-        if rank0:  # free what the save took (a full disk needs the room); never the previous checkpoint
-            written = [path] if path != previous else []  # complete, but `latest` could not name it
-            for partial in (*written, path.with_name(path.name + ".tmp"), root / VALUE_STAGING,
-                            root / f"{VALUE_STAGING}.tmp"):
-                shutil.rmtree(partial, ignore_errors=True)
-        raise CheckpointSaveError(_save_failure(path, e, previous)) from e
-    finally:
-        if state_dir is not None:
-            shutil.rmtree(state_dir, ignore_errors=True)
-    if rank0:
-        _prune(cfg, path)
-        log.info("checkpoint saved: %s", path)
-    dist.barrier(group=ctrl)
-    return path
+        save.request = begin_checkpoint(path, p.model, p.optimizer, p.scheduler,
+                                        extra={"next_step": next_step, "version": learner.version},
+                                        files=files, parts=parts)
+        save.request.add_finalize_fn(make_latest)
+    return save
+
+
+def save_run_checkpoint(cfg: Config, learner: LearnerState, ctrl: dist.ProcessGroup, next_step: int,
+                        rollout: RolloutState | None = None, report: StepReport | None = None) -> Path:
+    """All ranks: `begin_run_checkpoint`, run to the end before returning (its path, complete)."""
+    save = begin_run_checkpoint(cfg, learner, ctrl, next_step, rollout, report)
+    with save.failing_as_save_error():
+        assert save.request is not None
+        save.request.execute_sync()
+    return save.path
+
+
+class RunCheckpoints:
+    """The run's checkpoint saves, one at a time (all ranks, at step boundaries). With
+    `asynchronous` (trainer.async_save) a save's shards are written and hashed by a background
+    process through megatron's `AsyncCallsQueue` while the learner goes on; `poll` at each boundary
+    completes a save every rank has written (manifest, rename, `latest`); `wait` waits for it."""
+
+    def __init__(self, cfg: Config, learner: LearnerState, ctrl: dist.ProcessGroup, asynchronous: bool):
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.cfg, self.learner, self.ctrl = cfg, learner, ctrl
+        self.queue = AsyncCallsQueue() if asynchronous else None
+        self.pending: RunSave | None = None
+
+    def save(self, next_step: int, rollout: RolloutState | None = None, report: StepReport | None = None) -> Path:
+        """Checkpoint step_<next_step>: complete on return, or (asynchronous) being written; a save
+        still under way is completed first."""
+        self.wait()
+        save = begin_run_checkpoint(self.cfg, self.learner, self.ctrl, next_step, rollout, report)
+        assert save.request is not None
+        with save.failing_as_save_error():
+            if self.queue is None:
+                save.request.execute_sync()
+            else:
+                self.queue.schedule_async_request(save.request)
+                self.pending = save
+        return save.path
+
+    def poll(self) -> None:
+        """All ranks: complete the save under way if every rank's writer is done (one all-reduce)."""
+        self._finalize(blocking=False)
+
+    def wait(self) -> None:
+        """All ranks: wait for the save under way, and complete it."""
+        self._finalize(blocking=True)
+
+    def _finalize(self, blocking: bool) -> None:
+        if self.queue is None or self.pending is None:
+            return
+        with self.pending.failing_as_save_error():
+            try:
+                done = self.queue.maybe_finalize_async_calls(blocking=blocking)
+            except BaseException:
+                self.pending = None  # megatron's queue dropped the failed call too
+                raise
+        if done:
+            self.pending = None
+
+    def close(self) -> None:
+        """A save still under way (the run ends on an error) is stopped, not completed: `latest`
+        keeps naming the previous checkpoint."""
+        if self.queue is not None and self.pending is not None:
+            for call in self.queue.async_calls:  # megatron's queue.close(abort=True) stops persistent callers only
+                call.async_caller.close(abort=True)  # kills the save's writer process
+            self.queue.async_calls.clear()
+            self.pending = None
 
 
 def _save_failure(path: Path, error: BaseException, previous: Path | None) -> str:
@@ -176,11 +278,12 @@ def resume_checkpoint(cfg: Config) -> Path | None:
     return checkpoint_root(cfg) / name if "/" not in name else Path(name).expanduser()
 
 
-def checkpoint_problem(path: Path) -> str | None:
-    """Why checkpoint `path` cannot be loaded (a file missing, or not matching its manifest's
-    sha256; no manifest), or None when it is whole. Reads every file once (sha256)."""
+def checkpoint_problem(path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
+    """Why checkpoint `path` cannot be loaded (no manifest, a file missing, or not matching its
+    manifest's size or sha256), or None when it is whole. Reads each file once, hashed in threads;
+    with `share` = (rank, world) only that rank's share of the files (`file_share`)."""
     try:
-        read_manifest(path)
+        read_manifest(path, share=share)
     except json.JSONDecodeError as e:  # before ValueError, which it is: its message names no file
         return f"checkpoint {path}: {MANIFEST} is not JSON ({e})"
     except KeyError as e:

@@ -4,7 +4,8 @@ Each one makes the real processes fail the way production does, so tests exercis
 recovery paths (not mocks):
 
     MEGATRON_ASYNC_CRASH_AFTER_CHECKPOINT=N   the learner SIGKILLs itself right after writing
-                                              checkpoint step_N (a crash between steps)
+                                              checkpoint step_N (a crash between steps; a
+                                              background save is completed first)
     MEGATRON_ASYNC_NAN_LOSS_STEPS=2,3          the loss of these learner steps becomes NaN
                                               (a numerical blow-up; the step must be skipped)
     MEGATRON_ASYNC_KILL_REPLICA_AT_BATCH=2     replica 0 is SIGKILLed shortly after generation of
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING
 from megatron_async.run.stop import DUPLICATE_WINDOW_S
 
 if TYPE_CHECKING:  # annotations only
+    from megatron_async.run.checkpoint import RunCheckpoints
     from megatron_async.rollout.pool import ReplicaPool
     from megatron_async.rollout.producer import RolloutProducer
 
@@ -48,8 +50,9 @@ SIGNAL_DURING = "MEGATRON_ASYNC_SIGNAL_DURING"
 SIGNAL_TO = "MEGATRON_ASYNC_SIGNAL_TO"
 
 
-def crash_after_checkpoint(step: int) -> None:
+def crash_after_checkpoint(step: int, checkpoints: RunCheckpoints) -> None:
     if os.environ.get(CRASH_AFTER_CHECKPOINT) == str(step):
+        checkpoints.wait()
         os.kill(os.getpid(), signal.SIGKILL)
 
 

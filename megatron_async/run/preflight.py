@@ -108,6 +108,15 @@ def _is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def _verify_share() -> tuple[int, int]:
+    """(rank, world): the share of a checkpoint's files this process verifies. Under a torchrun
+    that starts `megatron-async train` itself (launch/*.sh) every rank runs the preflight: each
+    hashes its share, and all of them together every file once; elsewhere the one process all."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return 0, 1
+
+
 def _require(ok: bool, key: str, value: Any, why: str) -> None:
     if not ok:
         raise ConfigError(f"key '{key}' = {value!r}: {why}")
@@ -482,11 +491,11 @@ def _check_replica_ports(cfg: Config) -> None:
 
 def _check_resume(cfg: Config, arch: LlamaArch | None) -> None:
     """run.resume: the checkpoint to continue from (`run.checkpoint.resume_checkpoint`: run.resume_from,
-    else the latest) exists, every file of it matches its manifest's sha256 (read once here, and
-    again when rank 0 loads it; by rank 0's preflight only; measured 2026-12-04 at 2054983 on one core of the 2-core AMD EPYC:
-    0.80-0.87 s per GiB from the page cache, docs/checkpoints.md), and it holds the model this config
-    builds (`_check_resumed_model`). A corrupt one is refused, naming the newest intact checkpoint
-    and the override that resumes from it; it is not skipped on the quiet (docs/checkpoints.md)."""
+    else the latest) exists, every file of it matches its manifest's size and sha256 (each file read
+    once here, hashed in threads, split over the ranks' preflights: `_verify_share`; and again when
+    the ranks load it, docs/checkpoints.md), and it holds the model this config builds
+    (`_check_resumed_model`). A corrupt one is refused, naming the newest intact checkpoint and the
+    override that resumes from it; it is not skipped on the quiet (docs/checkpoints.md)."""
     run, root = cfg.run, checkpoint_root(cfg)
     if not run.resume:
         _require(not run.resume_from, "run.resume_from", run.resume_from,
@@ -500,7 +509,7 @@ def _check_resume(cfg: Config, arch: LlamaArch | None) -> None:
     if not ckpt.is_dir():
         saved = ", ".join(p.name for p in run_checkpoints(cfg)) or "none"
         raise ConfigError(f"key '{key}' = {value!r}: {ckpt} not found (this run's checkpoints: {saved})")
-    if _is_rank0() and (problem := checkpoint_problem(ckpt)):  # every rank reading it all would be N x the I/O
+    if problem := checkpoint_problem(ckpt, _verify_share()):
         intact = newest_intact_checkpoint(cfg, besides=ckpt)
         if intact is None:
             fix = f"no intact checkpoint is left in {root}: start again without --resume (or under another run.name)"

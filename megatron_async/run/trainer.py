@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import socket
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -50,8 +50,7 @@ from megatron_async.observability.tracking import Tracker, build_tracker
 from megatron_async.rollout.build import replica_urls
 from megatron_async.rollout.producer import RolloutBatch, RolloutProducer
 from megatron_async.run import faults
-from megatron_async.run.checkpoint import (latest_checkpoint, load_run_checkpoint, resume_checkpoint,
-                                           save_run_checkpoint)
+from megatron_async.run.checkpoint import RunCheckpoints, latest_checkpoint, load_run_checkpoint, resume_checkpoint
 from megatron_async.run.learner_state import LearnerState
 from megatron_async.run.report import StepReport
 from megatron_async.run.rollout_state import RolloutState
@@ -76,6 +75,10 @@ class Trainer:
     start_step: int = 0
     report: StepReport | None = None  # rank 0 only
     stop: StopSignals | None = None  # signals that stop the run at a step boundary (None: not listened to)
+    checkpoints: RunCheckpoints = field(init=False)  # the run's saves, in the background with trainer.async_save
+
+    def __post_init__(self) -> None:
+        self.checkpoints = RunCheckpoints(self.cfg, self.learner, self.ctrl, self.cfg.trainer.async_save)
 
     # -- building ---------------------------------------------------------------------------------
     @classmethod
@@ -144,6 +147,7 @@ class Trainer:
         guard = BadStepGuard(t.max_bad_steps, steps_to_run=t.steps - self.start_step)
         saved: Path | None = None  # the checkpoint of the last boundary, if one was saved there
         for step in range(self.start_step, t.steps):
+            self.checkpoints.poll()  # a background save every rank has written becomes `latest`
             if self._stopping():
                 return self._stop_at(step, saved)
             timer = StepTimer()  # timing/*: the steps phase only (no set-up, SFT, eval)
@@ -182,14 +186,16 @@ class Trainer:
             saved = None
             if (t.checkpoint_every and (step + 1) % t.checkpoint_every == 0) or step + 1 == t.steps:
                 saved = self._checkpoint(next_step=step + 1)
-                faults.crash_after_checkpoint(step + 1)
+                faults.crash_after_checkpoint(step + 1, self.checkpoints)
             if stop := guard.record(step, batch, metrics):
                 path = saved or self._checkpoint(next_step=step + 1)
+                self.checkpoints.wait()
                 raise RuntimeError(f"{stop}; stopping. The last good weights are in {path}")
         if self._stopping():  # during the last step: the final evaluation and export wait for --resume
             return self._stop_at(t.steps, saved)
         after = self._evaluate("after")
         export_hf(self.learner.policy.model, cfg.run_dir / "hf_final", tokenizer_dir=self.init_model)
+        self.checkpoints.wait()  # the last step's save, written meanwhile
         if self.rollout is not None and self.report is not None:  # rank 0
             self.report.finish(before, after, len(self.rollout.eval_prompts), latest_checkpoint(cfg),
                                resumed_at=self.start_step if cfg.run.resume else None)
@@ -266,10 +272,11 @@ class Trainer:
         if saved is None and next_step == self.start_step and self.cfg.run.resume:
             saved = resume_checkpoint(self.cfg)  # resumed from it: nothing new to save
         path = saved or self._checkpoint(next_step)
+        self.checkpoints.wait()  # the save under way, this boundary's or an earlier one
         return Stopped((self.stop.signal if self.stop is not None else None) or "SIGTERM", next_step, path)
 
     def _checkpoint(self, next_step: int) -> Path:
-        return save_run_checkpoint(self.cfg, self.learner, self.ctrl, next_step, self.rollout, self.report)
+        return self.checkpoints.save(next_step, self.rollout, self.report)
 
     def close(self) -> None:
         """Every rank: the senders, the rollout side (producer, replicas, scorer), the tracker; each
@@ -279,3 +286,4 @@ class Trainer:
             if self.rollout is not None:
                 closing.callback(self.rollout.close)
             closing.callback(self.weights.close)
+            closing.callback(self.checkpoints.close)
