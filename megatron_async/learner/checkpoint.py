@@ -167,11 +167,17 @@ def _results_queue_that_outlives_a_stop_signal() -> None:
         filesystem_async._results_queue = manager.Queue()
 
 
-    request = dist_checkpointing.save(
-        _sharded_state(model.chunks, optimizer if stepped else None, scheduler, loading=False), str(tmp / "dist"),
-        sharded_strategy=_fully_parallel_save(), async_sharded_save=True)
-    if request.async_fn is not None:  # None: this rank writes no shard
-        request = request._replace(async_fn=_hashing_writer(request.async_fn, tmp, my_digests))
+def begin_checkpoint(ckpt_dir: str | os.PathLike, model: LearnerModel, optimizer=None, scheduler=None,
+                     extra: dict | None = None, files: dict[str, Path] | None = None,
+                     parts: dict[str, Path] | None = None) -> AsyncRequest:
+    """Start saving model (+ optimizer, scheduler) to `ckpt_dir` atomically; all ranks. What it
+    returns writes the shards and makes the checkpoint visible: `.execute_sync()`, or schedule it on
+    megatron's `AsyncCallsQueue` (the writing in a forked process; the queue runs the finalize
+    functions on all ranks once every rank's writer is done). `extra`: JSON-able metadata (step,
+    policy version, data position...) returned by `load_checkpoint`. `files`: more files to copy in
+    (relative name -> source path, read when the save finishes), e.g. tokenizer files. `parts`:
+    finished checkpoint directories (name -> path, on the same filesystem) MOVED in by rename, e.g.
+    another model saved just before with `save_checkpoint`; load one with
     `load_checkpoint(ckpt_dir / name, ...)`."""
     from megatron.core import dist_checkpointing
 
