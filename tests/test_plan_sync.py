@@ -8,12 +8,14 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from megatron.core import parallel_state
 
 from megatron_async import cli
-from megatron_async.config import load_config
+from megatron_async.config import load_config, sync_bucket_bytes
 from megatron_async.learner.model import build_model, unwrap_model
-from megatron_async.weights.plan import PHASE_CALLS, Links, SyncPlan, plan_sync
+from megatron_async.weights.update import group_by_cap
+from megatron_async.weights.plan import PHASE_CALLS, Links, SyncPlan, packed_buffers, plan_sync, stage_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -30,8 +32,8 @@ def tiny_dir(root: Path, **changes) -> Path:
     return root
 
 
-def plan(*overrides: str, config: str | None = None, links: Links = Links()) -> SyncPlan:
-    return plan_sync(load_config(config, list(overrides)), links)
+def plan(*overrides: str, config: str | None = None, links: Links = Links(), node_groups: bool = False) -> SyncPlan:
+    return plan_sync(load_config(config, list(overrides)), links, node_groups)
 
 
 def recipe_layout(script: str) -> list[str]:
@@ -84,25 +86,88 @@ def test_broadcast_transports_call_each_replica_once_per_stage(tmp_path, transpo
     assert all(s.buffers > 1 for s in broadcast.stages)  # several buffers, still one call
     assert broadcast.calls_per_replica == 2 + len(PHASE_CALLS)
     shm = plan(*layout, "rollout.weight_transport=shm")
-    assert [s.calls_per_replica for s in shm.stages] == [s.buffers for s in shm.stages] == \
-        [s.buffers for s in broadcast.stages]
+    assert [s.calls_per_replica for s in shm.stages] == [s.buffers for s in shm.stages]
+    assert all(s.buffers > 1 for s in shm.stages)
     assert {s.carrier for s in shm.stages} == {"shm"} and shm.seconds is None
 
 
-def test_the_8b_recipe_crosses_into_the_replica_node_once(monkeypatch):
-    """launch/slurm_llama8b.sbatch: the one sender on node 0 reaches node 1's eight TP=1 replicas
-    through one group of 1 + 8 ranks, so its 16.06 GB cross InfiniBand once; seconds as computed."""
+def recipe_8b(**kwargs) -> SyncPlan:
+    return plan(*recipe_layout("slurm_llama8b.sbatch"), f"model.hf_path={FIXTURES / 'llama-3.1-8b'}",
+                "placement.nnodes=2", "placement.gpus_per_node=8", "rollout.host=10.0.0.2", "rollout.base_port=8100",
+                config=str(ROOT / "configs" / "gpu_llama8b_norobots.yaml"), **kwargs)
+
+
+def test_the_8b_recipe_crosses_into_the_replica_node_once_per_replica(monkeypatch):
+    """launch/slurm_llama8b.sbatch, as built: the one sender on node 0 reaches node 1's eight TP=1
+    replicas through eight groups of 1 + 1 ranks, one after the other on its stream, so its 16.06 GB
+    cross InfiniBand eight times; seconds as computed. The default bucket (auto) is 1024 MiB."""
     monkeypatch.setenv("MEGATRON_ASYNC_ROLLOUT_TOKEN", "x")
     links = Links(nvlink_gb_per_s=400.0, infiniband_gb_per_s=40.0, call_overhead_s=0.01)
-    got = plan(*recipe_layout("slurm_llama8b.sbatch"), f"model.hf_path={FIXTURES / 'llama-3.1-8b'}",
-               "placement.nnodes=2", "placement.gpus_per_node=8", "rollout.host=10.0.0.2", "rollout.base_port=8100",
-               config=str(ROOT / "configs" / "gpu_llama8b_norobots.yaml"), links=links)
+    got = recipe_8b(links=links)
     [stage] = got.stages
+    assert not got.node_groups and got.bucket_mb == 1024
     assert (stage.sender_rank, stage.sender_node, stage.calls_per_replica) == (0, 0, 1)
-    assert [(g.node, g.replicas, g.ranks, g.link) for g in stage.groups] == [(1, list(range(8)), 9, "infiniband")]
+    assert [(g.node, g.replicas, g.ranks, g.link) for g in stage.groups] == \
+        [(1, [i], 2, "infiniband") for i in range(8)]
     assert stage.bytes == 2 * 8_030_261_248  # LLaMA-3.1-8B's parameters in bf16
-    assert stage.seconds == pytest.approx(stage.bytes / 40e9 + 0.01)
+    assert stage.seconds == pytest.approx(8 * stage.bytes / 40e9 + 0.01)
     assert got.seconds == pytest.approx(stage.seconds + len(PHASE_CALLS) * 0.01)
+
+
+def test_node_groups_computes_the_not_built_design_for_comparison(monkeypatch, capsys):
+    """--node-groups (issue 42 item 2, not built): one group of 1 + 8 ranks, the bytes cross once;
+    the output says it is not built."""
+    monkeypatch.setenv("MEGATRON_ASYNC_ROLLOUT_TOKEN", "x")
+    built, node = recipe_8b(), recipe_8b(node_groups=True)
+    [stage] = node.stages
+    assert [(g.node, g.replicas, g.ranks) for g in stage.groups] == [(1, list(range(8)), 9)]
+    assert stage.seconds == pytest.approx(stage.bytes / 50e9 + 0.003)
+    assert built.seconds > node.seconds
+    assert "NOT BUILT" in node.render() and "NOT BUILT" not in built.render()
+    assert "NOT BUILT" in node.to_json()["design"]
+
+
+@pytest.mark.parametrize("bucket_mb", [1, 2])
+def test_broadcast_buffers_follow_vllms_packing_rule(tmp_path, bucket_mb):
+    """Over nccl a stage's buffers are those vLLM's packed producer fills, not `group_by_cap`'s (shm):
+    the tensor that crosses the cap stays in the buffer, so a buffer exceeds the cap."""
+    hf = tiny_dir(tmp_path / "m")
+    layout = [*ONE_NODE, f"model.hf_path={hf}", f"rollout.sync_bucket_mb={bucket_mb}"]
+    nccl, shm = plan(*layout, "rollout.weight_transport=nccl"), plan(*layout, "rollout.weight_transport=shm")
+    [(_, tensors)] = stage_tensors(json.loads((hf / "config.json").read_text()), 1, 1)
+    cap, buffers, total = bucket_mb << 20, [], 0
+    for _, t in tensors:  # the rule, written out here on its own
+        total += 2 * t.numel()  # bf16
+        if total > cap:
+            buffers, total = buffers + [total], 0
+    buffers += [total] if total else []
+    assert nccl.stages[0].buffers == len(buffers) and nccl.bucket_mb == bucket_mb
+    assert len(buffers) > 1 and max(buffers) > cap  # a buffer holds the tensor that crossed the cap
+    assert shm.stages[0].buffers == sum(1 for _ in group_by_cap([(n, t.bfloat16()) for n, t in tensors], cap))
+
+
+@pytest.mark.integration  # in-process, but importing vLLM starts a process
+def test_packed_buffers_counts_what_vllms_pack_tensors_fills():
+    """`packed_buffers` against vLLM's own `pack_tensors`, on meta tensors of mixed sizes."""
+    from megatron_async.weights import vllm_plugin
+
+    sizes = [300, 300, 10, 500, 1, 1, 2000, 499, 1, 7]
+    for cap in (1, 300, 500, 600, 1000, 5000):
+        stream = iter([(str(i), torch.empty(n, dtype=torch.uint8, device="meta")) for i, n in enumerate(sizes)])
+        filled = 0
+        while vllm_plugin.packed_tensor().pack_tensors(stream, lambda item: item[1], cap) is not None:
+            filled += 1
+        assert packed_buffers(sizes, cap) == filled, cap
+
+
+def test_the_default_bucket_is_resolved_per_transport(tmp_path):
+    """rollout.sync_bucket_mb=auto (the default): 1024 MiB over nccl / gloo, 64 over shm, as a run
+    resolves it (config.sync_bucket_bytes)."""
+    hf = tiny_dir(tmp_path / "m")
+    for transport in ("nccl", "gloo", "shm"):
+        got = plan(*ONE_NODE, f"model.hf_path={hf}", f"rollout.weight_transport={transport}")
+        assert got.bucket_mb << 20 == sync_bucket_bytes("auto", transport)
+        assert got.stages[0].buffers == 1  # 4.7 MB in one buffer either way
 
 
 def test_the_70b_recipe_sends_stage_0_over_nvlink_and_the_others_over_infiniband(monkeypatch):
@@ -114,7 +179,8 @@ def test_the_70b_recipe_sends_stage_0_over_nvlink_and_the_others_over_infiniband
                config=str(ROOT / "configs" / "gpu_llama8b_norobots.yaml"))
     assert [(s.sender_rank, s.sender_node) for s in got.stages] == [(0, 0), (4, 1), (8, 1), (12, 2), (16, 2)]
     assert [[g.link for g in s.groups] for s in got.stages] == [["nvlink"]] + [["infiniband"]] * 4
-    assert [g.ranks for s in got.stages for g in s.groups] == [5] * 5
+    assert [g.ranks for s in got.stages for g in s.groups] == [5] * 5  # one TP=4 replica: a group per stage
+    assert [s.buffers for s in got.stages] == [24] * 5  # 27.4-29.5 GB in 1 GiB buffers
     assert [list(s.layers)[::15] for s in got.stages] == [[0, 15], [16, 31], [32, 47], [48, 63], [64, 79]]
     assert got.calls_per_replica == 5 + len(PHASE_CALLS)
 

@@ -13,24 +13,32 @@ It runs the push's own code on shapes only: the learner's model built from model
 config.json on the meta device at TP = PP = 1 (learner/model.py, megatron's local spec: no weights
 read, no memory), megatron's own layer split into parallel.pp stages (`get_num_layers_to_build`,
 `get_transformer_layer_offset`), `iter_hf_weights` (the HF names and shapes a stage's sender
-yields, in its order), the cast to the replicas' dtype (config.replica_dtype) and `group_by_cap`
-at rollout.sync_bucket_mb (weights/update.py). The nodes are cluster/placement.py's: each stage's
-sender (`weight_senders`) and the replica node, checked as a run checks them.
+yields, in its order), the cast to the replicas' dtype (config.replica_dtype), and the buffers at
+`config.sync_bucket_bytes(rollout.sync_bucket_mb, transport)` (auto: 1024 MiB over nccl / gloo,
+64 over shm / http). The nodes are cluster/placement.py's: each stage's sender
+(`weight_senders`) and the replica node, checked as a run checks them.
 
-The push it models (issue 42's design):
+The push it models is the one built (weights/broadcast.py, weights/update.py):
 - nccl / gloo: a stage reaches each replica through ONE /update_weights carrying its whole
-  manifest, its tensors broadcast packed in buffers of rollout.sync_bucket_mb, double-buffered
-  (packing and the TP gathers overlap the broadcast and are not counted). Replicas that share a
-  node receive through one group spanning them all (vLLM's `rank_offset` layout), so a stage's
-  bytes cross the link into that node once: InfiniBand from a sender on another node, NVLink
-  inside one. A stage takes, for each of its groups in turn (one sender, one stream), its bytes
-  over that link, plus its calls x the per-call overhead; a replica's engine serves one call at
-  a time, so the stages add up. nccl only: gloo moves the bytes over TCP through host memory.
-- shm / http (host memory): one /update_weights per buffer, no group; their time is copies
-  through host memory (docs/scaling.md), not modelled here.
+  manifest, its tensors packed as vLLM's producer packs them (`packed_buffers`: tensors in stream
+  order until the running total exceeds the cap, the one that crosses it included), double-
+  buffered (packing and the TP gathers overlap the broadcast and are not counted). Each (stage,
+  replica) has a group of its own (the sender + the replica's replica_tp workers), and the
+  stage's one stream sends each buffer to each replica in turn, so a stage's bytes cross the
+  link once per replica: InfiniBand from a sender on another node, NVLink inside one. A stage
+  takes replicas x bytes / link + its calls x the per-call overhead; a replica's engine serves
+  one call at a time, so the stages add up. nccl only: gloo moves the bytes over TCP through
+  host memory.
+- shm / http (host memory): one /update_weights per buffer (`group_by_cap`), no group; their
+  time is copies through host memory (docs/scaling.md), not modelled here.
 - every push adds the pool's phase calls to each replica (`PHASE_CALLS`), at the same overhead.
 Not counted: group formation (the first push, and after a failure) and the replica's load into
 its parameters (device memory on GPU).
+
+NOT BUILT: one group per replica node (issue 42 item 2). Replicas sharing a node would receive
+through one group spanning them all (vLLM's `rank_offset` layout), so a stage's bytes would cross
+into that node once, not once per replica. `--node-groups` computes that design for comparison;
+its output says "not built".
 """
 from __future__ import annotations
 
@@ -38,9 +46,10 @@ import argparse
 import json
 import re
 import sys
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -50,7 +59,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from megatron_async.cluster.placement import check_fit, check_static, weight_senders
 from megatron_async.config import (BROADCAST_TRANSPORTS, Config, ConfigError, load_config, replica_dtype,
-                                   weight_transport)
+                                   sync_bucket_bytes, weight_transport)
 from megatron_async.learner.mapping import EMBED, iter_hf_weights
 from megatron_async.learner.model import build_model, read_arch, read_hf_config, transformer_config
 from megatron_async.learner.perf import Backend, resolve
@@ -81,7 +90,8 @@ class Links:
 
 @dataclass(frozen=True)
 class Group:
-    """The replicas of one node that a stage's sender reaches through one communicator group."""
+    """The replicas that a stage's sender reaches through one communicator group: one replica (as
+    built), or all of a node's (`--node-groups`, not built). Its bytes cross its link once."""
 
     node: int
     replicas: list[int]
@@ -112,7 +122,8 @@ class SyncPlan:
     parameters: int
     dtype: str  # the replicas', which the tensors are sent in
     transport: str
-    bucket_mb: int
+    bucket_mb: int  # rollout.sync_bucket_mb resolved for the transport (config.sync_bucket_bytes)
+    node_groups: bool  # True: issue 42 item 2's design (one group per replica node), NOT built
     learner: dict[str, int]  # tp, pp, dp, nodes (running learner ranks), job_nodes
     replicas: dict[str, int]  # count, tp, node
     links: Links
@@ -136,13 +147,20 @@ class SyncPlan:
     def to_json(self) -> dict:
         stages = [asdict(s) | {"layers": [s.layers.start, s.layers.stop]} for s in self.stages]
         return {"model": self.model, "parameters": self.parameters, "dtype": self.dtype, "transport": self.transport,
-                "bucket_mb": self.bucket_mb, "learner": self.learner, "replicas": self.replicas,
+                "bucket_mb": self.bucket_mb, "design": self.design, "learner": self.learner, "replicas": self.replicas,
                 "links": asdict(self.links), "phase_calls_per_replica": list(PHASE_CALLS), "stages": stages,
                 "total": {"bytes": self.bytes, "calls_per_replica": self.calls_per_replica, "seconds": self.seconds}}
+
+    @property
+    def design(self) -> str:
+        if self.node_groups:
+            return "NOT BUILT (issue 42 item 2): one group per (stage, replica node)"
+        return "built: one group per (stage, replica)"
 
     def render(self) -> str:
         ln, r, links = self.learner, self.replicas, self.links
         lines = [
+            f"design: {self.design}",
             f"{self.model}: {self.parameters / 1e9:.2f}B parameters, sent in {self.dtype}: "
             f"{self.bytes / 1e9:.2f} GB to each replica",
             f"learner TP={ln['tp']} x PP={ln['pp']} x DP={ln['dp']} on {ln['nodes']} of {ln['job_nodes']} node(s); "
@@ -155,25 +173,30 @@ class SyncPlan:
             f"{'links crossed':<30}{'seconds':>8}",
         ]
         for s in self.stages:
-            groups = ", ".join(f"node {g.node} ({g.ranks})" for g in s.groups) or "-"
-            crossed = ", ".join(_crossed(s.sender_node, g) for g in s.groups) or s.carrier
+            groups = ", ".join(f"{n} x node {node} ({ranks})" for (node, ranks, _), n in _alike(s.groups)) or "-"
+            crossed = ", ".join(_crossed(s.sender_node, node, link, n) for (node, _, link), n in _alike(s.groups)) \
+                or s.carrier
             lines.append(f"{s.stage:<6}{f'{s.layers.start}-{s.layers.stop - 1}':<8}"
                          f"{f'rank {s.sender_rank}, node {s.sender_node}':<17}{_gb(s.bytes):>11}{s.buffers:>9}"
-                         f"{s.calls_per_replica:>7}  {groups:<16}{crossed:<30}{_seconds(s.seconds):>8}")
+                         f"{s.calls_per_replica:>7}  {groups:<22}{crossed:<30}{_seconds(s.seconds):>8}")
         phases = len(PHASE_CALLS) * links.call_overhead_s
         names = ", ".join(call.removesuffix("_weight_update") for call in PHASE_CALLS)
-        lines.append(f"{'pool phases':<51}{len(PHASE_CALLS):>7}  {names:<46}{phases:>8.3f}")
+        lines.append(f"{'pool phases':<51}{len(PHASE_CALLS):>7}  {names:<52}{phases:>8.3f}")
         lines.append(f"{'total':<31}{_gb(self.bytes):>11}{sum(s.buffers for s in self.stages):>9}"
-                     f"{self.calls_per_replica:>7}  {'':<46}{_seconds(self.seconds):>8}")
+                     f"{self.calls_per_replica:>7}  {'':<52}{_seconds(self.seconds):>8}")
         if self.seconds is None:
             lines.append(f"seconds: not modelled over {self.stages[0].carrier} (nccl only; megatron-async plan-sync --help)")
         return "\n".join(lines)
 
 
-def _crossed(sender_node: int, group: Group) -> str:
-    if group.link == "nvlink":
-        return f"NVLink inside node {group.node}"
-    return f"InfiniBand node {sender_node}->{group.node}, once"
+def _alike(groups: list[Group]) -> list[tuple[tuple[int, int, str], int]]:
+    """(node, ranks, link) of a stage's groups, with how many groups share them, in order."""
+    return list(Counter((g.node, g.ranks, g.link) for g in groups).items())
+
+
+def _crossed(sender_node: int, node: int, link: str, times: int) -> str:
+    where = f"NVLink inside node {node}" if link == "nvlink" else f"InfiniBand node {sender_node}->{node}"
+    return f"{where}, {'once' if times == 1 else f'{times}x'}"
 
 
 def _gb(nbytes: int) -> str:
@@ -184,8 +207,9 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def plan_sync(cfg: Config, links: Links) -> SyncPlan:
-    """The plan of one weight sync of `cfg`'s layout on GPUs. Raises ConfigError naming the key."""
+def plan_sync(cfg: Config, links: Links, node_groups: bool = False) -> SyncPlan:
+    """The plan of one weight sync of `cfg`'s layout on GPUs, as built (`node_groups`: issue 42
+    item 2's one group per replica node instead, not built). Raises ConfigError naming the key."""
     p, par, r = cfg.placement, cfg.parallel, cfg.rollout
     if not p.gpus_per_node:
         raise ConfigError("key 'placement.gpus_per_node' = 0: set it (the GPUs of each node of the layout to plan)")
@@ -196,30 +220,46 @@ def plan_sync(cfg: Config, links: Links) -> SyncPlan:
     transport = weight_transport(cfg, cuda=True)[0]
     dtype = replica_dtype(cfg.model, cuda=True)[0]
     replicas = list(range(len(r.replica_urls) or r.num_replicas))
+    bucket_bytes = sync_bucket_bytes(r.sync_bucket_mb, transport)
     hf_config = _hf_config(cfg)
     stages = stage_tensors(hf_config, par.tp, par.pp)
     plan = SyncPlan(model=cfg.model.hf_path, parameters=sum(t.numel() for _, ts in stages for _, t in ts), dtype=dtype,
-                    transport=transport, bucket_mb=r.sync_bucket_mb,
+                    transport=transport, bucket_mb=bucket_bytes >> 20, node_groups=node_groups,
                     learner={"tp": par.tp, "pp": par.pp, "dp": dp, "nodes": sum(1 for lay in layouts if lay.learner),
                              "job_nodes": p.nnodes},
                     replicas={"count": len(replicas), "tp": r.replica_tp, "node": p.replica_node}, links=links)
     for stage, ((layers, tensors), (sender_rank, sender_node)) in enumerate(zip(stages, senders)):
         sent = [(name, t.to(getattr(torch, dtype))) for name, t in tensors]  # as weights/update.py casts them
         nbytes = sum(t.numel() * t.element_size() for _, t in sent)
-        buffers = sum(1 for _ in group_by_cap(sent, r.sync_bucket_mb << 20))
-        if transport in BROADCAST_TRANSPORTS:  # one group per replica node: the replicas all are on p.replica_node
+        if transport in BROADCAST_TRANSPORTS:  # the replicas all are on p.replica_node
             link = "nvlink" if sender_node == p.replica_node else "infiniband"
-            groups = [Group(p.replica_node, replicas, 1 + len(replicas) * r.replica_tp, link)]
+            groups = ([Group(p.replica_node, replicas, 1 + len(replicas) * r.replica_tp, link)] if node_groups
+                      else [Group(p.replica_node, [i], 1 + r.replica_tp, link) for i in replicas])
             calls = 1  # the stage's whole manifest
             seconds = (sum(links.seconds(nbytes, g.link) for g in groups) + calls * links.call_overhead_s
                        if transport == "nccl" else None)
-            plan.stages.append(StagePlan(stage, layers, sender_rank, sender_node, len(sent), nbytes, buffers, calls,
-                                         groups, transport, seconds))
+            plan.stages.append(StagePlan(stage, layers, sender_rank, sender_node, len(sent), nbytes,
+                                         packed_buffers((t.numel() * t.element_size() for _, t in sent), bucket_bytes), calls, groups, transport, seconds))
         else:
             carrier = carrier_for(transport, f"http://{r.host}")
+            buffers = sum(1 for _ in group_by_cap(sent, bucket_bytes))
             plan.stages.append(StagePlan(stage, layers, sender_rank, sender_node, len(sent), nbytes, buffers, buffers,
                                          [], carrier, None))
     return plan
+
+
+def packed_buffers(sizes: Iterable[int], cap_bytes: int) -> int:
+    """The buffers vLLM's packed producer fills with tensors of these byte sizes, in order, at
+    `cap_bytes`: its `pack_tensors` rule (vllm/distributed/weight_transfer/packed_tensor.py) adds
+    tensors until the running total exceeds the cap, the one that crosses it included. Written out
+    because importing vLLM starts a process (`platform`), which a planner has no need of;
+    tests/test_plan_sync.py checks it against vLLM's own function."""
+    buffers = total = 0
+    for size in sizes:
+        total += size
+        if total > cap_bytes:
+            buffers, total = buffers + 1, 0
+    return buffers + (total > 0)
 
 
 def _hf_config(cfg: Config) -> dict:
@@ -300,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ib-gbps", type=float, default=INFINIBAND_GB_PER_S,
                    help="GB/s (10^9 bytes/s) of a broadcast into another node (default %(default)g: one 400 Gb/s "
                         "InfiniBand NIC; docs/scaling.md)")
+    p.add_argument("--node-groups", action="store_true",
+                   help="compute issue 42 item 2's design instead, NOT BUILT: one group per replica node, the bytes "
+                        "crossing into it once (for comparison)")
     p.add_argument("--call-overhead-ms", type=float, default=CALL_OVERHEAD_MS,
                    help="milliseconds per call to a replica (default %(default)g: measured with bench rollout, "
                         "docs/scaling.md)")
@@ -316,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.call_overhead_ms < 0:
             raise ConfigError(f"--call-overhead-ms = {args.call_overhead_ms:g}: must be >= 0")
         plan = plan_sync(load_config(args.config, args.overrides),
-                         Links(args.nvlink_gbps, args.ib_gbps, args.call_overhead_ms / 1e3))
+                         Links(args.nvlink_gbps, args.ib_gbps, args.call_overhead_ms / 1e3), args.node_groups)
     except ConfigError as e:
         print(f"megatron-async: config error: {e}", file=sys.stderr)
         return 2
