@@ -79,7 +79,9 @@ def test_sigterm_saves_at_the_step_boundary_and_the_resumed_run_goes_on_as_if_un
 
 
 def test_a_second_sigterm_to_the_whole_group_stops_at_once_and_the_resumed_run_goes_on_as_if_uninterrupted(tmp_path, uninterrupted):
-    stopped = train(tmp_path, *coin_flip_data(tmp_path), *RUN, *SAVED_AFTER_STEP_0,
+    # saves written in the foreground here, so that step 0's checkpoint is complete before the signals;
+    # a background save that a stop at once cuts short leaves the one before it (test_checkpoint_async)
+    stopped = train(tmp_path, *coin_flip_data(tmp_path), *RUN, *SAVED_AFTER_STEP_0, "trainer.async_save=false",
                     env={"MEGATRON_ASYNC_SIGNAL_DURING": "train:1,sync:1", **TO_GROUP}, check=False)
     out = stopped.stdout + stopped.stderr
     assert stopped.returncode == EXIT_REQUEUE, out[-4000:]
