@@ -25,10 +25,7 @@ import shlex
 import sys
 import time
 
-# time.time() when `megatron-async train` started, for the summary's wall time (run/report.py):
-# the process's own start is earlier where a script execs the command after installing
-# (launch/quickstart.sh); the ranks the command relaunches under torchrun inherit it
-TRAIN_STARTED_ENV = "MEGATRON_ASYNC_TRAIN_STARTED"
+from megatron_async.run import TRAIN_STARTED_ENV
 
 SUBCOMMANDS = {
     "train": "run asynchronous RL training (Online DPO by default): learner + vLLM replicas",

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_async import cli
-from megatron_async.cli import TRAIN_STARTED_ENV
+from megatron_async.run import TRAIN_STARTED_ENV
 from megatron_async.config import load_config
 from megatron_async.observability import logs
 from megatron_async.observability.tracking import NullTracker

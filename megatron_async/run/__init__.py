@@ -4,3 +4,8 @@ the learner's state and step on every rank (`learner_state`), rank 0's rollout s
 (`checkpoint`), the SFT warm-up (`sft`), held-out evaluation (`evaluate`), the preflight that
 checks the world before anything starts (`preflight`) and fault injection for the reliability
 tests (`faults`)."""
+
+# time.time() when `megatron-async train` started, for the summary's wall time (run/report.py):
+# the process's own start is earlier where a script execs the command after installing
+# (launch/quickstart.sh); the ranks the command relaunches under torchrun inherit it
+TRAIN_STARTED_ENV = "MEGATRON_ASYNC_TRAIN_STARTED"

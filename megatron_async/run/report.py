@@ -19,12 +19,12 @@ from pathlib import Path
 
 import psutil
 
-from megatron_async.cli import TRAIN_STARTED_ENV
 from megatron_async.config import Config
 from megatron_async.io_utils import atomic_write_text
 from megatron_async.observability.logs import log_file
 from megatron_async.observability.plots import plot_training
 from megatron_async.observability.tracking import Tracker
+from megatron_async.run import TRAIN_STARTED_ENV
 from megatron_async.rollout.producer import RolloutBatch
 from megatron_async.run.evaluate import EVAL_METRIC, paired_test
 
@@ -101,7 +101,7 @@ class StepReport:
 
 def _command_seconds() -> float | None:
     """Wall time of this train command so far: since the `megatron-async train` command started
-    (cli.TRAIN_STARTED_ENV), or, in a rank that torchrun started from a script (launch/*.sh), since
+    (run.TRAIN_STARTED_ENV, set by cli), or, in a rank that torchrun started from a script (launch/*.sh), since
     this process started."""
     if started := os.environ.get(TRAIN_STARTED_ENV):
         return time.time() - float(started)
