@@ -44,3 +44,66 @@ def test_readme_is_a_short_guide_whose_links_resolve():
     links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
     broken = sorted({link for link in links if "://" not in link and not (REPO / link).exists()})
     assert not broken, f"README.md links to missing files: {', '.join(broken)}"
+
+
+DOC_PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+MD_LINK = re.compile(r"\]\(([^)\s]+)\)")  # [text](target)
+CODE_DOC_LINK = re.compile(r"\b(docs/[\w.-]+\.md)#([\w-]+)")  # a docs page and anchor named in code or configs
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """GitHub's anchors for a page's headings: lower case, punctuation dropped, spaces to hyphens,
+    a repeated heading suffixed -1, -2, ... (code blocks skipped)."""
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    in_code = False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        if in_code or not (m := re.match(r"^#{1,6} (.+)$", line)):
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+        anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def broken_link(source: Path, target: str) -> str | None:
+    """None if `target` (a link written in `source`) resolves inside the repository, else why not."""
+    if "://" in target or target.startswith("mailto:"):
+        return None
+    path, _, anchor = target.partition("#")
+    resolved = (source.parent / path).resolve() if path else source
+    if not resolved.is_relative_to(REPO):
+        return f"{target} points outside the repository"
+    if not resolved.exists():
+        return f"{target}: no such file"
+    if anchor and resolved.suffix == ".md" and anchor not in heading_anchors(resolved):
+        return f"{target}: no heading with anchor #{anchor}"
+    return None
+
+
+def test_every_link_of_the_docs_resolves_inside_the_repository():
+    broken = [f"{page.relative_to(REPO)}: {why}" for page in DOC_PAGES
+              for target in MD_LINK.findall(page.read_text()) if (why := broken_link(page, target))]
+    assert not broken, "\n".join(broken)
+
+
+def test_every_docs_anchor_named_in_code_exists():
+    broken = []
+    for path in [*PACKAGE.rglob("*.py"), *(REPO / "launch").glob("*"), *(REPO / "configs").glob("*.yaml"),
+                 *(REPO / "tools").rglob("*.py"), *(REPO / "tests").rglob("*.py")]:
+        for page, anchor in CODE_DOC_LINK.findall(path.read_text()):
+            if not (REPO / page).exists() or anchor not in heading_anchors(REPO / page):
+                broken.append(f"{path.relative_to(REPO)}: {page}#{anchor}")
+    assert not broken, "\n".join(broken)
+
+
+DOC_PAGE_MAX_LINES = 250  # a reference a user reads; dated runs live in docs/measurements.md
+LAB_NOTEBOOK = "measurements.md"
+
+
+def test_every_docs_page_but_the_lab_notebook_is_a_short_reference():
+    long = {page.name: n for page in DOC_PAGES[1:]
+            if page.name != LAB_NOTEBOOK and (n := len(page.read_text().splitlines())) > DOC_PAGE_MAX_LINES}
+    assert not long, f"docs pages over {DOC_PAGE_MAX_LINES} lines (move dated runs to docs/{LAB_NOTEBOOK}): {long}"
