@@ -1,9 +1,14 @@
 """megatron_async: asynchronous RLHF with a Megatron-core learner and vLLM replicas.
 
-NOTE import policy: megatron-core and vLLM are imported inside the functions that use them (or in
-modules that only those functions import), never at the top of a module that every command loads.
-Both are heavy (seconds to import) and probe CUDA when imported; only the learner ranks need
-megatron-core and only the replica servers need vLLM, so `config`, `placement`, `eval`,
-`serve-replica` and the `train` launcher start without either. Keep new imports of them lazy.
+NOTE import policy: imports sit at the top of a module, except where a lazy import buys something,
+and then the comment beside it says what. The two standing reasons:
+- `cli.py` imports each command's module only when that command runs, so that `--help` and a bad
+  config answer in well under a second (torch, vLLM and megatron-core take seconds to import);
+- megatron-core and vLLM are imported only by the modules that need them (or inside functions of
+  modules every command loads): only the learner ranks need megatron-core and only the replica
+  servers vLLM, so `config`, `placement`, `plan-sync`, `eval` and `serve-replica` start without
+  either. `train` does import megatron-core (`run/launch.py` -> `run/trainer.py` ->
+  `learner/schedule.py`): its process is learner rank 0 of a one-rank run.
+Keep new imports of megatron-core and vLLM out of modules that those commands load.
 """
 __version__ = "0.1.0"

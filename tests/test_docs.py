@@ -1,5 +1,6 @@
 """docs/layout.md has one row per module of megatron_async/ (and none for a module that is gone).
 Fast tier: reads files only."""
+import ast
 import re
 from pathlib import Path
 
@@ -107,3 +108,25 @@ def test_every_docs_page_but_the_lab_notebook_is_a_short_reference():
     long = {page.name: n for page in DOC_PAGES[1:]
             if page.name != LAB_NOTEBOOK and (n := len(page.read_text().splitlines())) > DOC_PAGE_MAX_LINES}
     assert not long, f"docs pages over {DOC_PAGE_MAX_LINES} lines (move dated runs to docs/{LAB_NOTEBOOK}): {long}"
+
+
+MODULE_NAMED = re.compile(r"`([A-Za-z_]\w*)(?:\.py|/|\.\w+)?`|\b([A-Za-z_]\w*)\.py\b")  # `mod`, `mod.py`, `mod.Attr`, `sub/`, mod.py
+
+
+def test_each_package_docstring_names_every_module_it_holds_and_no_other():
+    """A sub-package's __init__ docstring is its table of contents (as docs/layout.md is the
+    package's): it names each of its modules and sub-packages, and any `x.py` it names exists."""
+    wrong = []
+    for init in sorted(PACKAGE.glob("*/**/__init__.py")):
+        folder = init.parent
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        held = {p.stem for p in folder.glob("*.py") if p.name != "__init__.py"} | {
+            p.parent.name for p in folder.glob("*/__init__.py")}
+        named = {a or b for a, b in MODULE_NAMED.findall(doc)}
+        files_named = set(re.findall(r"\b([A-Za-z_]\w*)\.py\b", doc))
+        rel = folder.relative_to(PACKAGE)
+        if missing := sorted(held - named):
+            wrong.append(f"{rel}/__init__.py does not name: {', '.join(missing)}")
+        if gone := sorted(files_named - held):
+            wrong.append(f"{rel}/__init__.py names modules that do not exist: {', '.join(gone)}")
+    assert not wrong, "\n".join(wrong)

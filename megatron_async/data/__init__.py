@@ -1,5 +1,5 @@
-"""Prompt data: GSM8k-style problems (files, `datasets`, synthetic), templates, tokenization,
-and the resumable prompt iterator."""
+"""Prompt data: GSM8k-style problems (`problem`; `synthetic` word problems made in code), files,
+`datasets`, templates and tokenization (`prompts`), and the resumable prompt iterator (`iterator`)."""
 from megatron_async.data.iterator import PromptIterator
 from megatron_async.data.problem import Problem
 from megatron_async.data.prompts import (

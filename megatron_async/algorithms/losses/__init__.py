@@ -1,7 +1,9 @@
 """Loss functions: pure tensor functions on [B, T] per-token logprobs and completion masks.
 
 Each returns (loss, metrics) where metrics are detached 0-dim tensors; no collectives, no
-knowledge of processes, Megatron or vLLM.
+knowledge of processes, Megatron or vLLM. `common`: masked reductions and the KL-to-reference
+estimate; `dpo`: Online DPO / IPO; `ppo`: KL-shaped rewards, GAE, clipped policy and value losses;
+`rloo`: RLOO and Proximal RLOO; `sft`: Best-of-K SFT's negative log-likelihood.
 """
 from megatron_async.algorithms.losses.common import masked_mean, masked_sum, sequence_kl, sequence_logprobs
 from megatron_async.algorithms.losses.dpo import dpo_loss
