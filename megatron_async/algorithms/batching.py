@@ -94,8 +94,8 @@ def build_dpo_pairs(samples: Iterable[Sample]) -> tuple[list[tuple[Sample, Sampl
     """Per prompt with >= 2 samples: (best, worst) by reward -> ([(chosen, rejected)], stats).
 
     A prompt whose best and worst rewards are equal (all tied) carries no preference and is
-    skipped and counted (peers.md "Ties in Online DPO": treating the first of a tied pair as chosen
-    made held-out accuracy FALL). With several samples at the top (or bottom) reward the first one
+    skipped and counted (a peer's trainer that treats the first of a tied pair as chosen saw its
+    held-out accuracy FALL). With several samples at the top (or bottom) reward the first one
     in input order is taken, which is deterministic and unbiased since sampling order is random.
     """
     pairs, ties, too_few, gaps = [], 0, 0, []

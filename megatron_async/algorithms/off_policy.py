@@ -19,7 +19,7 @@ did (and Proximal RLOO, under any correction, instead of its paper ratio pi_thet
 
 Why tis for asynchronous runs: every peer that trains off-policy corrects against the generator,
 and with none PPO that anchors to the learner silently ignores staleness (plain PPO on GSM8k has
-been seen to collapse at lag 1 where PPO + TIS did not, peers.md); truncation keeps the variance
+been seen to collapse at lag 1 where PPO + TIS did not, on GSM8k with Qwen3-0.6B); truncation keeps the variance
 bounded where masking (icepop, decoupled) throws tokens away. Online DPO and Best-of-K SFT take no
 weight: their losses do not estimate an on-policy gradient.
 

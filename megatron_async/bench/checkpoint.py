@@ -10,7 +10,7 @@ main job's config, synthetic batches) runs `--steps` learner steps per mode, `sy
 saving step (its learner step + the save call), the steps after it until the save was complete
 (an async save's writer shares the CPUs with them), the seconds the save call held the learner,
 and the seconds from the save call until `latest` named it (async: the boundary that found it done). Then, on that checkpoint: sha256 of every file by one thread (what rank 0 did
-for every rank before 2026-12-06, on save and again on verify) against `file_digests`' threads,
+for every rank before checkpoints were hashed by their writers, on save and again on verify) against `file_digests`' threads,
 and `check_files` (the preflight's and the load's verification) in threads. Writes
 `bench_checkpoint.json`. Timings are never asserted in tests.
 """

@@ -6,8 +6,8 @@
 Three phases of `--seconds` each, in one process pinned like a learner (parallel.learner_cpus):
 generation alone (a real vLLM replica through `ReplicaPool`, pinned by rollout.replica_cpus, fixed
 prompts x n x max_tokens with ignore_eos), training alone (fp32 AdamW steps of the same model as a
-plain torch `LlamaForCausalLM` on a fixed batch: the learner's compute without megatron's set-up;
-cpu-stack.md measured megatron-core at the speed of plain PyTorch on CPU), then both at once
+plain torch `LlamaForCausalLM` on a fixed batch: the learner's compute without megatron's set-up,
+which `bench learner` finds at about the speed of megatron-core's step on CPU), then both at once
 (generation loop in a thread: it only waits on the replica's socket). contention = 1 - rate
 together / rate alone, per side. The paper's analogue is the GIL overhead of running vLLM in the
 learner's process; here generation is another process and the cost is shared cores/memory.

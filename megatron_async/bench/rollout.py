@@ -24,15 +24,15 @@ process of its own; skipped with a note in the JSON when that package is not ins
 - delta sync (`--full-every N`, as `rollout.sync_full_every`; shm, http and gloo): before
   every sync after the first, `--changed-fraction` of each tensor's elements change (x 1 + 2^-6,
   in the replicas' dtype: a change every dtype keeps), so that deltas have the size they have in
-  a run (measured per step, `weight_sync/changed_fraction`: ~0.01-0.02 in bf16, 0.82-0.92 in
-  fp32). Each sync records whether it went as a delta and its bytes. `--full-every 0 10`: the
+  a run (`weight_sync/changed_fraction` per step: a few percent in bf16, most elements in fp32;
+  docs/replicas-and-weight-sync.md). Each sync records whether it went as a delta and its bytes. `--full-every 0 10`: the
   same pushes with every sync full, then with deltas, in one run.
 
 Placement: `--learner-cpus 0 --replica-cpus 1` put this process (the sender, and transformers)
 and the replicas where the CPU main job puts the learner and its replicas (configs/cpu_tiny.yaml):
 a sync then costs what it costs there. Unpinned (the default), this process packs buckets with
-every torch thread while a replica's OpenMP threads spin on the same cores (measured: packing the
-tiny model took 0.17 s with 2 threads, 2 ms with 1).
+every torch thread while a replica's OpenMP threads spin on the same cores, which makes packing
+many times slower than on a core of its own.
 
 Numbers on a shared 2-core CPU are noisy: the JSON records the 1-minute load average before each
 measurement. Prompts are equal-length token sequences so transformers needs no padding.
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the replicas' dtype (model.dtype)")
     p.add_argument("--hf-threads", type=int, default=1,
                    help="torch threads for transformers (1 matches the replica's torch threads; more than the "
-                        "free cores makes OpenMP collapse on a loaded machine: measured 8.9 tok/s with 2 at load 4)")
+                        "free cores makes OpenMP collapse on a loaded machine)")
     p.add_argument("--learner-cpus", default="", help="pin this process (sender, transformers) as parallel.learner_cpus")
     p.add_argument("--replica-cpus", default="", help="pin the replicas as rollout.replica_cpus")
     p.add_argument("--work", default=None, help="scratch dir (default: a temporary one)")

@@ -4,8 +4,8 @@
     rollout.replica_cpus: "1"      # every replica's processes: pinned from the start (env REPLICA_CPUS_ENV)
 
 Empty strings mean no pinning. On a 2-core machine, unpinned OpenMP threads of the learner and of
-vLLM fight over both cores; pinned, they overlap at ~8% contention (measured: vLLM on one core and
-a torch training loop on the other each ran at 91-93% of its speed alone).
+vLLM fight over both cores; pinned, they overlap with little contention (each side runs at nearly
+its speed alone: `megatron-async bench async --contention`, figures in docs/performance.md).
 
 Unset, both keys are "auto" and `plan_cpus` decides, once per learner rank at launch
 (run/launch.py, through placement.cpu_plan): without CUDA, with the replicas on this node, the
@@ -155,7 +155,7 @@ def pin_learner(learner_cpus: str) -> list[int]:
 def unpinned_before_replicas() -> Iterator[None]:
     """Lift `pin_learner`'s pinning while nothing else runs beside the learner yet (the SFT warm-up,
     before any replica or reward worker starts): a single learner rank on this machine gets back
-    the CPUs it had before pinning (measured on 2 cores: SFT at 6.4 steps/s on both, 4.2 on one),
+    the CPUs it had before pinning (SFT runs faster on every core than on the learner's share),
     and its pinning and thread count afterwards. A no-op when unpinned or with several local ranks."""
     if _ORIGINAL_AFFINITY is None or int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
         yield

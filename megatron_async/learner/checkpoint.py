@@ -89,8 +89,8 @@ def _checksums(root: Path) -> dict[str, str]:
 
 
 def check_files(ckpt_dir: Path, manifest: dict, names: list[str] | None = None, contents: bool = True) -> None:
-    """The manifest's files `names` (None: all) are there at their recorded size (manifests before
-    2026-12-06 record none) and, with `contents`, match their sha256 (hashed in threads). Raises
+    """The manifest's files `names` (None: all) are there at their recorded size (older manifests
+    record none) and, with `contents`, match their sha256 (hashed in threads). Raises
     ValueError naming the checkpoint and the first bad file."""
     sizes = manifest.get("sizes", {})
     names = sorted(manifest["files"] if names is None else names)
@@ -340,11 +340,11 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model: LearnerModel, optimizer=
     check_arch(manifest, model.arch, str(ckpt_dir))
     if optimizer is not None and not manifest["has_optimizer"]:
         raise ValueError(f"checkpoint {ckpt_dir} has no optimizer state (saved model-only, e.g. by convert)")
-    saved_dtype = manifest.get("dtype")  # absent before 2026-12-04: fp32 on CPU, bf16 on GPU
+    saved_dtype = manifest.get("dtype")  # absent in older manifests: fp32 on CPU, bf16 on GPU
     if optimizer is not None and saved_dtype is not None and saved_dtype != _param_dtype(model):
         raise ValueError(f"checkpoint {ckpt_dir} was trained in {saved_dtype}, this learner is {_param_dtype(model)}: "
                          f"resume with model.dtype={saved_dtype}, or start a new run from its weights")
-    stepped = manifest.get("optimizer_stepped", True)  # absent before 2026-12-04: always saved
+    stepped = manifest.get("optimizer_stepped", True)  # absent in older manifests: always saved
     state = dist_checkpointing.load(_sharded_state(model.chunks, optimizer if stepped else None, scheduler, loading=True),
                                     str(ckpt_dir / "dist"))
     with torch.no_grad():

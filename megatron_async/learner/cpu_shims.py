@@ -1,8 +1,8 @@
 """Narrow CPU stand-ins for the few CUDA-only calls megatron-core 0.16.1 makes.
 
 megatron-core runs forward, backward, optimizer steps and dist_checkpointing on CPU with gloo
-(see ../shared/notes/cpu-stack.md), except for a handful of calls that assume a GPU. `apply()`
-patches exactly those, and only when `torch.cuda.is_available()` is False; on a GPU it does
+(tests/test_learner_parity.py and tests/dist/ run it there), except for a handful of calls that
+assume a GPU. `apply()` patches exactly those, and only when `torch.cuda.is_available()` is False; on a GPU it does
 nothing. It is idempotent, and every patch below names the CUDA call it replaces.
 
 Three kinds of patch:
@@ -127,7 +127,7 @@ def _cuda_type_names(saved):
     `local_multi_tensor_l2_norm` and `_clip_grad_by_total_norm_fp32` here (their "cuda" tensors
     made on the CPU). The DistributedOptimizer has the same check (distrib_optimizer.py); it is
     never built on CPU (learner/perf.py), so it is not wrapped.
-    Next megatron-core: Megatron-LM main (commit 0011998, read 2026-12-04) still matches these names; where
+    Next megatron-core: Megatron-LM main (commit 0011998) still matches these names; where
     the check becomes device-agnostic (a dtype test) this patch goes, and where the constructor
     stops calling `param.type()` it is inert, and tests/test_optimizer_guard.py's bf16 case (it
     asserts fp32 main params) says whether bf16 still builds."""

@@ -4,15 +4,13 @@ GPTModel ends with `logits, _ = self.output_layer(hidden, weight=..., runtime_ga
 and returns `logits.transpose(0, 1)`: every microbatch materialises its whole vocab-parallel logits
 (fp32 [s, b, vocab / TP]), then a transposed copy of them, and the cross-entropy's softmax and
 gradient of the same size. With SmolLM2's 49,152-word vocabulary a micro batch of 8 x 216 tokens
-makes four 340 MB tensors per pass, each one a fresh mapping of memory on CPU (docs/performance.md,
-page faults); with LLaMA-3's 128k vocabulary, an 8k-token microbatch's are 4 GB each.
+makes four 340 MB tensors per pass, each one a fresh mapping of memory on CPU (page faults: docs/performance.md); with LLaMA-3's 128k vocabulary, an 8k-token microbatch's are 4 GB each.
 
 `DeferredOutputLayer` is megatron's `ColumnParallelLinear` (the output layer GPTModel built, the
 same parameters, sharded state dict and TP/sequence-parallel behaviour) whose `forward` returns the
 final-normed hidden states unchanged; `project` is the original forward, which
 `learner.logprobs.token_logprobs` calls and hands straight to the cross-entropy in megatron's
-[s, b] layout, so the transposed copy is never made (measured: SmolLM2 RLOO's step 1.13 -> 1.05
-of a plain PyTorch step, docs/performance.md). With `trainer.logits_chunk_mb` it projects chunks of
+[s, b] layout, so the transposed copy is never made (what that saves: docs/performance.md). With `trainer.logits_chunk_mb` it projects chunks of
 tokens instead, recomputed in the backward, so that at most one chunk's logits exist at a time: a
 bound on memory for large vocabularies, paid with one more LM-head GEMM. The swap changes the class of the layer
 GPTModel built, in place (`defer_lm_head`), rather than building another: GPTModel's set-up has

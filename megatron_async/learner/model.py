@@ -226,7 +226,7 @@ def transformer_config(arch: LlamaArch, tp: int = 1, pp: int = 1, dtype: torch.d
         apply_rope_fusion=perf.rope_fusion,
         gradient_accumulation_fusion=perf.gradient_accumulation_fusion,
         # gloo has no batched isend/irecv ordering problem to work around, and the sync would
-        # call torch.cuda.synchronize (cpu-stack.md).
+        # call torch.cuda.synchronize, which fails without CUDA.
         batch_p2p_sync=cuda,
         # Microbatches that differ in shape (trainer.micro_batch_tokens): between pipeline stages megatron
         # then sends each activation's shape (3 integers) before it, a shape exchange and a device sync per

@@ -39,9 +39,9 @@ def build_tokenizer(corpus: Iterable[str], out_dir: str | os.PathLike, vocab_siz
     """Train a byte-level BPE tokenizer on `corpus` and save it (tokenizer.json et al.) to out_dir.
 
     Numbers are BPE-merged like words, so a small number is one token and the synthetic data's
-    place-value steps ("80 + 15 = 95") are lookups of small facts. Measured on the CPU main job's
-    tiny model: LLaMA-style single digits did worse both with one-line answers (9.4% vs 15.6%
-    held-out pass@1 after SFT) and with digit-by-digit column steps (5.5% after 600 SFT steps).
+    place-value steps ("80 + 15 = 95") are lookups of small facts. On the CPU main job's tiny model
+    LLaMA-style single digits gave a lower held-out pass@1 after SFT, both with one-line answers and
+    with digit-by-digit column steps.
 
     Returns the `PreTrainedTokenizerFast`. Special tokens: <s> (bos), </s> (eos), <pad>.
     """

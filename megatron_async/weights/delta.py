@@ -14,8 +14,8 @@ replicas' dtype, compared with what the last push sent by one exact, bit-based c
 gives both the metric and the delta.
 
 What one sync changes (`weight_sync/changed_fraction`): in bf16 a small Adam step leaves most
-elements as they were (1-2% change per step in our SmolLM2 runs; peers report 1-5%,
-`../shared/notes/peers-late-2026.md` 1c); in fp32 nearly every element moves (82-92%). Without
+elements as they were (1-2% change per step in our SmolLM2 runs; slime, verl, SkyRL
+and TRL report 1-5% for their delta sync); in fp32 nearly every element moves (82-92%). Without
 delta sync the encoder keeps only a fixed sample to count on, so that the metric costs little and
 keeps little: every element of a tensor of at most `WHOLE_TENSOR` elements, every `STRIDE`-th
 element (a prime, so that the sample does not line up with rows) of a larger one, about 1/STRIDE
