@@ -25,7 +25,11 @@ import shlex
 import sys
 import time
 
+from megatron_async.observability.logs import setup_logging
 from megatron_async.run import TRAIN_STARTED_ENV
+
+# Each command's module, and the config (which loads torch), is imported when the command runs, so
+# that `--help` answers at once (megatron_async/__init__.py, "import policy").
 
 SUBCOMMANDS = {
     "train": "run asynchronous RL training (Online DPO by default): learner + vLLM replicas",
@@ -116,8 +120,6 @@ def main(argv: list[str] | None = None) -> int:
                    "export-smollm2": "megatron_async.models.smollm2", "plan-sync": "megatron_async.weights.plan"}
     for i, word in enumerate(argv):
         if word in own_parsers:
-            from megatron_async.observability.logs import setup_logging
-
             setup_logging()
             module = own_parsers[word]
             return _load(module, word).main(argv[i + 1:])
@@ -126,7 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     from megatron_async.config import ConfigError, explain, load_config, to_yaml
-    from megatron_async.observability.logs import setup_logging
 
     setup_logging(args.log_level)
     try:

@@ -55,6 +55,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from megatron_async.algorithms import ALGORITHMS
 from megatron_async.bench import report
 from megatron_async.bench.contention import run_contention
 from megatron_async.cluster.placement import cpu_plan
@@ -295,8 +296,6 @@ NO_CORRECTION = "n/a"  # the correction label of algorithms that take none (onli
 
 def takes_correction(algorithm: str) -> bool:
     """Whether `trainer.off_policy_correction` reaches this algorithm's loss (ppo, rloo, proximal_rloo, grpo)."""
-    from megatron_async.algorithms import ALGORITHMS
-
     return ALGORITHMS[algorithm].corrects_off_policy
 
 

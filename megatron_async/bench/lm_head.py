@@ -18,6 +18,8 @@ from typing import cast
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import cross_entropy
 
 from megatron_async.learner.lm_head import LMHead
 from megatron_async.learner.logprobs import token_logprobs
@@ -42,9 +44,6 @@ class LinearHead:
 
 def one_tp_rank() -> None:
     """megatron's parallel_state as one TP rank over a one-rank gloo group (its cross-entropy all-reduces)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import cross_entropy
-
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     for module in (ps, cross_entropy):
         module.get_tensor_model_parallel_world_size = lambda: 1

@@ -17,11 +17,17 @@ Definitions (the paper's, section 5):
 """
 from __future__ import annotations
 
+import io
 import math
 import os
 import statistics
 from pathlib import Path
 from typing import Iterable, Sequence
+
+from megatron_async.io_utils import atomic_write_bytes
+
+# matplotlib is imported by the functions that draw (with the Agg backend): the arithmetic of this module
+# is imported by tests and by `bench` runs that have not drawn yet, and matplotlib takes a second.
 
 TIMING_KEYS = {
     "generation_s": "timing/generation_s",
@@ -168,11 +174,7 @@ def contention(alone_rate: float, together_rate: float) -> float:
 
 
 def _save(fig, out: str | os.PathLike) -> Path:
-    import io
-
     import matplotlib.pyplot as plt
-
-    from megatron_async.io_utils import atomic_write_bytes
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)

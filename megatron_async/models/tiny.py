@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 
@@ -45,9 +50,6 @@ def build_tokenizer(corpus: Iterable[str], out_dir: str | os.PathLike, vocab_siz
 
     Returns the `PreTrainedTokenizerFast`. Special tokens: <s> (bos), </s> (eos), <pad>.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -66,8 +68,6 @@ def build_tokenizer(corpus: Iterable[str], out_dir: str | os.PathLike, vocab_siz
 
 
 def llama_config(spec: TinyLlamaSpec, vocab_size: int, bos_id: int, eos_id: int, pad_id: int):
-    from transformers import LlamaConfig
-
     # rope_theta, rope_scaling and torch_dtype: transformers 5 still takes (and converts) the keys
     # it no longer declares; config.json then reads as every LLaMA-family checkpoint writes it
     return LlamaConfig(  # type: ignore[call-arg]
@@ -97,9 +97,6 @@ def build_tiny_llama(out_dir: str | os.PathLike, tokenizer, spec: TinyLlamaSpec 
     The vocabulary is the tokenizer's, rounded up to a multiple of 64 (so TP up to 8 divides it).
     Written with safetensors; returns out_dir as a Path.
     """
-    import torch
-    from transformers import LlamaForCausalLM
-
     spec = spec or TinyLlamaSpec()
     vocab = -(-len(tokenizer) // 64) * 64
     cfg = llama_config(spec, vocab, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
@@ -116,8 +113,6 @@ def build_tiny_llama(out_dir: str | os.PathLike, tokenizer, spec: TinyLlamaSpec 
 
 def default_corpus(n: int = 2000, seed: int = 0) -> list[str]:
     """A small English + arithmetic corpus to train the tokenizer on (no download)."""
-    import random
-
     rng = random.Random(seed)
     names = ["Ann", "Ben", "Cara", "Dan", "Eve", "Finn", "Gus", "Hana"]
     things = ["apples", "books", "coins", "pens", "cards", "eggs", "shells", "stamps"]

@@ -37,6 +37,8 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Sequence, cast
 
+import torch
+
 from megatron_async.rewards.scoring import SampleScore, ScoreReport
 
 if TYPE_CHECKING:
@@ -60,7 +62,6 @@ def _worker_main(path: str, dtype: str, num_threads: int | None, batch_size: int
                  requests, results):
     """Worker process: load once, then answer [texts] -> [(reward | None, error | None)] per text."""
     try:
-        import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         if num_threads:
