@@ -130,3 +130,20 @@ def test_each_package_docstring_names_every_module_it_holds_and_no_other():
         if gone := sorted(files_named - held):
             wrong.append(f"{rel}/__init__.py names modules that do not exist: {', '.join(gone)}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_no_page_outside_the_repository_is_cited():
+    """Docs, code and configs cite only pages a reader of the repository has: every `name.md` they
+    mention is a file of the repository or one the package writes (`sweep.md`), and no path climbs
+    out of it (`../shared/notes/x.md`)."""
+    repo_pages = {p.name for p in REPO.rglob("*.md") if ".venv" not in p.parts}
+    code = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py"))
+    cited = []
+    for path in [*DOC_PAGES, *PACKAGE.rglob("*.py"), *(REPO / "configs").glob("*.yaml")]:
+        for name in re.findall(r"([\w./-]+\.md)\b", path.read_text()):
+            written = f'"{Path(name).name}"' in code
+            resolved = [(base / name).resolve() for base in (path.parent, REPO)]
+            inside = any(r.is_relative_to(REPO) and r.exists() for r in resolved)
+            if (name.startswith("../") and not inside) or (Path(name).name not in repo_pages and not written):
+                cited.append(f"{path.relative_to(REPO)}: {name}")
+    assert not cited, "\n".join(cited)
