@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
 from megatron_async.algorithms import build_algorithm, split_units
@@ -153,7 +154,6 @@ def trained_tokens(learner: LearnerState, batch: RolloutBatch) -> int:
 
 
 def profile_table(fn, rows: int = 25) -> str:
-    from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()

@@ -108,7 +108,7 @@ def _records(path: Path) -> Iterable[tuple[str, str, Any]]:
         for i, row in enumerate(rows):
             yield f"{path} item {i}", f"{path.stem}:{i}", row
     elif path.suffix == ".parquet":
-        import pyarrow as pa
+        import pyarrow as pa  # pyarrow and datasets: optional, for the file kinds that need them
         import pyarrow.parquet as pq
 
         try:

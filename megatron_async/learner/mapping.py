@@ -39,6 +39,7 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from megatron_async.learner.model import LearnerModel, LlamaArch, read_arch, unwrap_model as _unwrap
 
@@ -185,8 +186,6 @@ def expected_hf_shapes(arch: LlamaArch, score_head: bool = False) -> dict[str, t
 
 def _safetensors_files(hf_dir: Path) -> dict[str, Path]:
     """HF tensor name -> the safetensors file holding it (single file or sharded with an index)."""
-    from safetensors import safe_open
-
     index = hf_dir / "model.safetensors.index.json"
     if index.exists():
         return {k: hf_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
@@ -205,8 +204,6 @@ def validate_hf_checkpoint(hf_dir: str | os.PathLike, arch: LlamaArch | None = N
     """Check an HF checkpoint's tensor names and shapes against its architecture, reading headers
     only. Returns name -> file. Raises ValueError listing every missing, unexpected or misshapen
     tensor (name, expected vs found)."""
-    from safetensors import safe_open
-
     hf_dir = Path(hf_dir)
     arch = arch or read_arch(hf_dir)
     files = _safetensors_files(hf_dir)
@@ -267,8 +264,6 @@ def load_hf_weights(model: LearnerModel, hf_dir: str | os.PathLike, score_head: 
     only its own HF tensors, builds this rank's shard and copies it in. `score_head`: a one-label
     sequence classifier into a value model (module docstring).
     """
-    from safetensors import safe_open
-
     hf_dir = Path(hf_dir)
     arch = model.arch
     if read_arch(hf_dir) != arch:

@@ -75,7 +75,7 @@ class MlflowTracker:
         # Fail fast inside one request; our own loop does the retrying, without blocking training.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(1, request_timeout_s))))
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # mlflow (seconds to import) only where tracking is on
 
         route_through_root("mlflow")  # its own stderr handler would bypass the quiet console
         self.uri = uri or f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}"

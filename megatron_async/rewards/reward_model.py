@@ -38,6 +38,7 @@ import traceback
 from typing import TYPE_CHECKING, Sequence, cast
 
 import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from megatron_async.rewards.scoring import SampleScore, ScoreReport
 
@@ -62,8 +63,6 @@ def _worker_main(path: str, dtype: str, num_threads: int | None, batch_size: int
                  requests, results):
     """Worker process: load once, then answer [texts] -> [(reward | None, error | None)] per text."""
     try:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
         if num_threads:
             torch.set_num_threads(num_threads)
         tok = AutoTokenizer.from_pretrained(path)
