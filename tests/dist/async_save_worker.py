@@ -53,19 +53,15 @@ if __name__ == "__main__":
     import torch.distributed as dist
 
     from megatron_async.config import load_config
-    from megatron_async.learner.mapping import load_hf_weights
-    from megatron_async.learner.model import build_model
-    from megatron_async.learner.optimizer import OptimSettings, build_optimizer
+    from megatron_async.learner.optimizer import OptimSettings
     from megatron_async.learner.parallel import destroy_parallel, init_parallel
     from megatron_async.run.checkpoint import RunCheckpoints, latest_checkpoint, load_run_checkpoint
     from megatron_async.run.learner_state import Trainable
+    from tests.dist._learner import tiny_learner
 
     init_parallel(1, 1)
     try:
-        model = build_model(a.hf)
-        load_hf_weights(model, a.hf)
-        learner = SimpleNamespace(value=None, policy=Trainable(*build_optimizer(model, OptimSettings(lr=1e-2))),
-                                  version=1)
+        learner = SimpleNamespace(value=None, policy=Trainable(*tiny_learner(a.hf, OptimSettings(lr=1e-2))), version=1)
         cfg = load_config(None, [f"run.out_dir={a.out}"])
         ctrl = dist.new_group(backend="gloo")
         rank0 = dist.get_rank() == 0

@@ -65,13 +65,13 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(1)
     from megatron_async.config import load_config
-    from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
-    from megatron_async.learner.model import build_model
-    from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
+    from megatron_async.learner.mapping import iter_hf_weights
+    from megatron_async.learner.optimizer import OptimSettings, train_step
     from megatron_async.learner.parallel import destroy_parallel, from_rank0, init_parallel
     from megatron_async.rollout import ReplicaPool
     from megatron_async.weights.build import build_weight_update
     from megatron_async.weights.update import WeightSyncError
+    from tests.dist._learner import tiny_learner
     from tests.rollout_fixtures import KillingWire, max_logprob_diff, spec, wait_for
 
     layout = init_parallel(a.tp, a.pp)
@@ -84,9 +84,7 @@ def main():
             pool = ReplicaPool(spec(a.base, weight_backend="mas_gloo"), 1, log_dir=a.out / "logs",
                                request_timeout_s=120, start_timeout_s=300).start()
         urls, key = from_rank0((pool.urls, pool.key) if pool is not None else None, ctrl)
-        model = build_model(a.model)
-        load_hf_weights(model, a.model)
-        ddp, opt, sched = build_optimizer(model, OptimSettings(lr=1e-2, clip_grad=1.0))
+        ddp, opt, sched = tiny_learner(a.model, OptimSettings(lr=1e-2, clip_grad=1.0))
         weights = build_weight_update(cfg, layout, ctrl, pool, urls, key)
         last_sender = layout.is_last_stage and weights.sender is not None
         if weights.sender is not None:
@@ -94,7 +92,7 @@ def main():
         if last_sender:
             weights.sender.wire = killing = KillingWire(weights.sender.wire)
         count = sum(1 for _ in iter_hf_weights(ddp))  # the stream's length on this stage's sender
-        vocab = model.arch.vocab_size
+        vocab = ddp.arch.vocab_size
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(3, vocab, (4, PROMPT_LEN), generator=g).tolist()
         pushes, rounds = [], []

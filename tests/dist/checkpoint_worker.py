@@ -25,13 +25,10 @@ SETTINGS = dict(lr=1e-3, min_lr=1e-4, warmup_steps=2, decay_steps=10, decay_styl
 
 
 def setup(hf_dir, dtype):
-    from megatron_async.learner.model import build_model
-    from megatron_async.learner.optimizer import OptimSettings, build_optimizer
-    from megatron_async.learner.mapping import load_hf_weights
+    from megatron_async.learner.optimizer import OptimSettings
+    from tests.dist._learner import tiny_learner
 
-    model = build_model(hf_dir, dtype=dtype)
-    load_hf_weights(model, hf_dir)
-    return build_optimizer(model, OptimSettings(**SETTINGS))
+    return tiny_learner(hf_dir, OptimSettings(**SETTINGS), dtype)
 
 
 def main_weights(ddp) -> dict:

@@ -37,11 +37,9 @@ def compare(src: Path, dtype: torch.dtype) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatron_async.learner.schedule import compute_logprobs
-    from megatron_async.learner.model import build_model
-    from megatron_async.learner.mapping import load_hf_weights
+    from tests.dist._learner import loaded_model
 
-    model = build_model(src, dtype=dtype)
-    load_hf_weights(model, src)
+    model = loaded_model(src, dtype)
     vocab = model.arch.vocab_size
     ids = torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(0))
     hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()

@@ -58,13 +58,12 @@ def run_model(src: Path, out: Path, tp: int):
     from safetensors.torch import load_file
     from megatron.core import parallel_state as ps
     from megatron_async.learner.schedule import compute_logprobs
-    from megatron_async.learner.model import build_model
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
-    from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
+    from megatron_async.learner.mapping import iter_hf_weights
+    from tests.dist._learner import loaded_model
 
     name = src.name
-    model = build_model(src)
-    load_hf_weights(model, src)
+    model = loaded_model(src)
     ref = load_file(str(src / "model.safetensors"))
     for hf_name, t in iter_hf_weights(model):
         assert torch.equal(t, ref[hf_name]), f"round trip differs for {hf_name}"

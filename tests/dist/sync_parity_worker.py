@@ -85,20 +85,18 @@ def run_layout(model_dir: Path, tp: int, pp: int, pool, urls, key, first_version
     from megatron.core import parallel_state as ps
 
     from megatron_async.learner.schedule import compute_logprobs
-    from megatron_async.learner.model import build_model
-    from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
+    from megatron_async.learner.optimizer import OptimSettings, train_step
     from megatron_async.learner.parallel import init_parallel
-    from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
+    from megatron_async.learner.mapping import iter_hf_weights
     from megatron_async.weights.host_memory import HostMemorySender
+    from tests.dist._learner import tiny_learner
 
     init_parallel(tp, pp)
-    model = build_model(model_dir, dtype=dtype)
-    load_hf_weights(model, model_dir)
-    ddp, opt, sched = build_optimizer(model, OptimSettings(lr=1e-2, clip_grad=1.0))
+    ddp, opt, sched = tiny_learner(model_dir, OptimSettings(lr=1e-2, clip_grad=1.0), dtype)
     source = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     senders = {t: HostMemorySender(urls, key, timeout_s=60, bucket_bytes=256 << 10, transport=t)
                for t in set(TRANSPORTS)} if source else {}
-    vocab = model.arch.vocab_size
+    vocab = ddp.arch.vocab_size
     g = torch.Generator().manual_seed(first_version)
     prompts = torch.randint(3, vocab, (4, PROMPT_LEN), generator=g).tolist()
     rows, prev = [], None
