@@ -21,14 +21,14 @@ import torch
 from learner_worker import batches, nll  # tests/dist is on sys.path as the script's directory
 
 OTHER_DTYPE = {torch.float32: torch.bfloat16, torch.bfloat16: torch.float32}
-SETTINGS = dict(lr=1e-3, min_lr=1e-4, warmup_steps=2, decay_steps=10, decay_style="cosine", adam_eps=1e-6)
 
 
 def setup(hf_dir, dtype):
     from megatron_async.learner.optimizer import OptimSettings
     from tests.dist._learner import tiny_learner
 
-    return tiny_learner(hf_dir, OptimSettings(**SETTINGS), dtype)
+    return tiny_learner(hf_dir, OptimSettings(lr=1e-3, min_lr=1e-4, warmup_steps=2, decay_steps=10,
+                                              decay_style="cosine", adam_eps=1e-6), dtype)
 
 
 def main_weights(ddp) -> dict:

@@ -54,9 +54,10 @@ def parity(src: Path) -> dict:
     from megatron_async.learner.mapping import iter_hf_weights
     from tests.dist._learner import loaded_model
 
-    out = {"tf32": tf32_off()}
+    out: dict[str, object] = {"tf32": tf32_off()}
     ids = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).to(DEVICE).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    hf = hf.to(DEVICE).eval()  # type: ignore[arg-type]  # transformers types its decorated .to() without self
     with torch.no_grad():
         ref = hf(ids).logits
         for dtype in (torch.float32, torch.bfloat16):
@@ -130,7 +131,8 @@ def export(src: Path, work: Path) -> dict:
     exported, source = load_file(str(dst / "model.safetensors")), load_file(str(src / "model.safetensors"))
     dtype = next(model.chunks[0].parameters()).dtype
     ids = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    hf = AutoModelForCausalLM.from_pretrained(str(dst), dtype=dtype).to(DEVICE).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(dst), dtype=dtype)
+    hf = hf.to(DEVICE).eval()  # type: ignore[arg-type]  # transformers types its decorated .to() without self
     with torch.no_grad():
         ours, theirs = logits_of(model, ids), hf(ids).logits.float()
     return {"config_dtype": json.loads((dst / "config.json").read_text()).get("dtype"),

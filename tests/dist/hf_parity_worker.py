@@ -36,7 +36,7 @@ def hf_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def compare(src: Path, dtype: torch.dtype) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatron_async.learner.schedule import compute_logprobs
+    from megatron_async.learner.schedule import Tokens, compute_logprobs
     from tests.dist._learner import loaded_model
 
     model = loaded_model(src, dtype)
@@ -46,7 +46,7 @@ def compare(src: Path, dtype: torch.dtype) -> dict:
     with torch.no_grad():
         ref = hf(ids).logits
         got = megatron_logits(model, ids).float()
-        logprobs = compute_logprobs(model, [{"input_ids": ids, "loss_mask": torch.ones(ids.shape)}])[0]
+        logprobs = compute_logprobs(model, [Tokens(input_ids=ids, loss_mask=torch.ones(ids.shape))])[0]
     ref_logprobs = hf_logprobs(ref, ids)
     result = {"dtype": str(next(model.chunks[0].parameters()).dtype), "max_diff": (ref - got).abs().max().item(),
               "logprob_max_diff": (logprobs - ref_logprobs).abs().max().item(), "logit_scale": ref.abs().max().item()}

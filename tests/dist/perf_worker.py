@@ -41,7 +41,7 @@ def gpu_local_spec(src: Path) -> dict:
                         vocab_size=arch.vocab_size, max_sequence_length=arch.max_position_embeddings,
                         position_embedding_type="rope")
 
-    out = {"perf": perf.to_dict(), "flags": {k: getattr(config, k) for k in (
+    out: dict[str, object] = {"perf": perf.to_dict(), "flags": {k: getattr(config, k) for k in (
         "sequence_parallel", "masked_softmax_fusion", "persist_layer_norm", "bias_activation_fusion",
         "bias_dropout_fusion", "apply_rope_fusion", "gradient_accumulation_fusion", "bf16")}}
     model = build(config)
@@ -72,7 +72,7 @@ def padding(src: Path) -> dict:
 
     plain = run()
     real = schedule.seq_multiple
-    schedule.seq_multiple = lambda _chunks: 5  # what sequence parallelism at TP=5 asks for: run at length 15
+    schedule.seq_multiple = lambda chunks: 5  # what sequence parallelism at TP=5 asks for: run at length 15
     try:
         padded = run()
     finally:
