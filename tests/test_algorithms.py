@@ -6,6 +6,7 @@ import torch
 
 from megatron_async import algorithms
 from megatron_async.algorithms import ALGORITHMS
+from megatron_async.algorithms.base import attach
 from megatron_async.config import TrainerConfig
 from megatron_async.algorithms.batching import Sample
 from megatron_async.algorithms.losses import dpo_loss, sequence_logprobs
@@ -279,8 +280,7 @@ def test_the_staleness_monitor_reads_the_training_forward_only_for_one_optimizer
     if fused:  # no forward of its own; the learner gives it the training forward's logprobs afterwards
         deferred, models = mbs(), CountingModels(old)
         assert a.prepare(deferred, models, K, old_from_training=True) == {} and models.policy_calls == 0
-        for mb, lp in zip(deferred[0], old):
-            mb["old_logprobs"] = lp
+        attach(deferred[0], "old_logprobs", old)
         stats_deferred = a.staleness(deferred)
         assert stats_deferred.keys() == stats_separate.keys() and stats_deferred
         for key, value in stats_separate.items():
@@ -384,6 +384,6 @@ def test_under_a_token_budget_per_row_values_come_back_in_row_order():
         assert real_rows_of(mbs, "rewards").tolist() == [r.reward for r in rows]
         rloo.prepare([mbs], FixedModels(reference=[mb["gen_logprobs"] - 0.1 * mb["loss_mask"] for mb in mbs]), K)
         results.append(real_rows_of(mbs, "advantages"))
-        scatter_rows(mbs, "check", torch.arange(8.0))
-        assert real_rows_of(mbs, "check").tolist() == list(range(8))
+        scatter_rows(mbs, "is_sequence_weights", torch.arange(8.0))  # a per-row field rloo does not read
+        assert real_rows_of(mbs, "is_sequence_weights").tolist() == list(range(8))
     assert results[1].tolist() == pytest.approx(results[0].tolist())

@@ -161,7 +161,8 @@ def test_adaptive_lag_rises_while_starved_and_under_target_and_falls_over_it():
 def test_admission_stays_exact_when_the_lag_changes_between_batches():
     """Every batch is trained no staler than the lag in force when it was admitted, and the
     learner never changes the weights under a batch in flight."""
-    admitted, held = {}, {"version": 0}  # held: what the replicas hold (the learner's last push)
+    admitted: dict[int, int] = {}
+    held = {"version": 0}  # held: what the replicas hold (the learner's last push)
     gate = threading.Event()
 
     def make_batch(index):
