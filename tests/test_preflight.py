@@ -162,7 +162,7 @@ def test_prompt_and_completion_must_fit_the_models_positions(edited_model):
 
 def test_a_checkpoint_the_learner_cannot_build_is_refused(edited_model):
     """Whatever learner.model.read_arch refuses, the preflight refuses first, naming config.json."""
-    cases = {"model_type 'gpt2' is not supported": {"model_type": "gpt2"},
+    cases: dict[str, dict[str, object]] = {"model_type 'gpt2' is not supported": {"model_type": "gpt2"},
              "hidden_act 'gelu' is not supported": {"hidden_act": "gelu"},
              "rope_type 'yarn' is not supported": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0},
                                                    "rope_parameters": None},
