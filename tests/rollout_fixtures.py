@@ -124,16 +124,15 @@ def sync(pool, model_dir: Path | None, version: int, replica_ids=None, *, named=
     return metrics, metrics.published
 
 
-class SharedPool(ReplicaPool):
-    """A pool the tests of one module share, and what they keep track of on it: `held`, the
-    checkpoint of its current version (set by every completed sync), and `next_version`, the
-    version the next push publishes."""
+class TrackedPool(ReplicaPool):
+    """A ReplicaPool and what the tests keep track of on it: `held`, the checkpoint of its current
+    version (set by every completed sync), and `next_version`, the version the next push publishes."""
 
     held: Path
     next_version: int = 1
 
 
-def resync(pool: SharedPool) -> None:
+def resync(pool: TrackedPool) -> None:
     """Hand a test's shared pool over with every replica up and on the current version: a replica
     an earlier test killed or left behind is waited for and given `pool.held` (the checkpoint of
     the current version) as the learner would."""

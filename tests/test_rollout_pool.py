@@ -35,7 +35,7 @@ from megatron_async.rollout.launcher import free_port
 from megatron_async.rollout.pool import GENERATE_ROUTE
 from megatron_async.rollout.replica import ReplicaClient, auth_headers, server_command, server_entry, server_env
 from tests.rollout_fixtures import (
-    LOGPROB_TOL, SharedPool, gone, max_logprob_diff, process_tree, resync, spec, sync, wait_for,
+    LOGPROB_TOL, TrackedPool, gone, max_logprob_diff, process_tree, resync, spec, sync, wait_for,
 )
 
 PROMPTS = [[1, 5 + i, 6, 7 + 2 * i][: 2 + i % 3] for i in range(12)]
@@ -334,7 +334,7 @@ def models(tiny_models):
 
 @pytest.fixture(scope="module")
 def shared_pool(models, tmp_path_factory):
-    p = SharedPool(spec(models[0], prefix_caching=False), 2, log_dir=tmp_path_factory.mktemp("logs"),
+    p = TrackedPool(spec(models[0], prefix_caching=False), 2, log_dir=tmp_path_factory.mktemp("logs"),
                    request_timeout_s=120, start_timeout_s=300)
     p.held = models[0]  # a test that pushes other weights sets it
     with p:

@@ -31,7 +31,7 @@ from megatron_async.weights.host_memory import (
 )
 from megatron_async.weights.update import WeightUpdate, group_by_cap
 from tests.rollout_fixtures import (
-    LOGPROB_TOL, SMALL_BUCKET, SharedPool, build_variants, max_logprob_diff, perturbed, resync, sparsely_changed, spec,
+    LOGPROB_TOL, SMALL_BUCKET, TrackedPool, build_variants, max_logprob_diff, perturbed, resync, sparsely_changed, spec,
     state_dict, sync,
 )
 
@@ -157,7 +157,7 @@ def models(tiny_models):
 
 @pytest.fixture(scope="module")
 def shared_pool(models, tmp_path_factory):
-    p = SharedPool(spec(models[0]), 2, log_dir=tmp_path_factory.mktemp("logs"), request_timeout_s=120,
+    p = TrackedPool(spec(models[0]), 2, log_dir=tmp_path_factory.mktemp("logs"), request_timeout_s=120,
                    start_timeout_s=300)
     p.held = models[0]
     with p:
