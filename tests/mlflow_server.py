@@ -14,7 +14,8 @@ from megatron_async.learner.parallel import free_port
 
 class MlflowServer:
     def __init__(self, store: Path, port: int | None = None):
-        self.store, self.port, self.proc = Path(store), port or free_port(), None
+        self.store, self.port = Path(store), port or free_port()
+        self.proc: subprocess.Popen | None = None
 
     @property
     def uri(self) -> str:
@@ -24,14 +25,14 @@ class MlflowServer:
         mlflow = Path(sys.executable).with_name("mlflow")
         self.store.mkdir(parents=True, exist_ok=True)
         log = open(self.store / "server.log", "ab")
-        self.proc = subprocess.Popen(
+        self.proc = proc = subprocess.Popen(
             [str(mlflow), "server", "--backend-store-uri", f"sqlite:///{self.store / 'mlflow.db'}",
              "--artifacts-destination", str(self.store / "artifacts"),
              "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+            if proc.poll() is not None:
                 raise RuntimeError(f"mlflow server exited: {(self.store / 'server.log').read_text()[-2000:]}")
             try:
                 urllib.request.urlopen(f"{self.uri}/health", timeout=1)

@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_async.models.tiny import TinyLlamaSpec, build_tiny_llama, build_tokenizer, default_corpus
-from megatron_async.rollout import ReplicaSpec
+from megatron_async.rollout import ReplicaPool, ReplicaSpec
+from megatron_async.weights.update import PushResult, WeightUpdate
 
 LOGPROB_TOL = 1e-3  # fp32 vLLM vs transformers, max |diff| (measured ~5e-7 on these models)
 SMALL_BUCKET = 48 << 10  # splits q/k/v and gate/up of one layer over several buckets
@@ -38,16 +39,17 @@ def build_variants(root: Path, hidden_size: int = 128, intermediate_size: int = 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tok = build_tokenizer(default_corpus(300), root / "tok", vocab_size=300)
-    small = dict(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2)
+    small = TinyLlamaSpec(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2)
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 64}
     out = {
-        "gqa": build_tiny_llama(root / "gqa", tok, TinyLlamaSpec(**small), seed=1),
-        "tied": build_tiny_llama(root / "tied", tok, TinyLlamaSpec(**small, tie_word_embeddings=True), seed=2),
-        "llama3": build_tiny_llama(root / "llama3", tok, TinyLlamaSpec(**small, rope_scaling=llama3), seed=3),
+        "gqa": build_tiny_llama(root / "gqa", tok, small, seed=1),
+        "tied": build_tiny_llama(root / "tied", tok, dataclasses.replace(small, tie_word_embeddings=True), seed=2),
+        "llama3": build_tiny_llama(root / "llama3", tok, dataclasses.replace(small, rope_scaling=llama3), seed=3),
     }
     cfg = Qwen2Config(vocab_size=320, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **small)
+                      tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2)
     torch.manual_seed(4)
     model = Qwen2ForCausalLM(cfg).float()
     with torch.no_grad():
@@ -99,7 +101,7 @@ def spec(model_dir: Path, **overrides) -> ReplicaSpec:
 
 def sync(pool, model_dir: Path | None, version: int, replica_ids=None, *, named=None, mode="between_batches",
          transport: str = "auto", bucket_bytes: int = SMALL_BUCKET, timeout_s: float = 60.0,
-         update=None) -> tuple[dict, list[int]]:
+         update=None) -> tuple[PushResult, list[int]]:
     """One weight update as learner rank 0 and a single stage sender run it, through
     `WeightUpdate.local`: `begin_update`, the stage's `HostMemorySender.push` into the replicas
     that opened, `finish_update(version)` on those the push reached (the others abandon it).
@@ -107,9 +109,10 @@ def sync(pool, model_dir: Path | None, version: int, replica_ids=None, *, named=
     `WeightUpdate.local` the caller keeps across syncs, as the learner does (default: one with a
     new sender for this sync)."""
     from megatron_async.weights.host_memory import HostMemorySender
-    from megatron_async.weights.update import WeightUpdate
 
-    named = iter(state_dict(model_dir).items()) if named is None else named
+    if named is None:
+        assert model_dir is not None, "sync takes its weights from model_dir or named"
+        named = iter(state_dict(model_dir).items())
     if update is not None:  # a kept sender: `replica_ids` leaves the others out of this push, not a re-sync
         metrics = update.push(version, named, replica_ids, check=False, resync=False)
     else:
@@ -121,7 +124,15 @@ def sync(pool, model_dir: Path | None, version: int, replica_ids=None, *, named=
     return metrics, metrics.published
 
 
-def resync(pool) -> None:
+class TrackedPool(ReplicaPool):
+    """A ReplicaPool and what the tests keep track of on it: `held`, the checkpoint of its current
+    version (set by every completed sync), and `next_version`, the version the next push publishes."""
+
+    held: Path
+    next_version: int = 1
+
+
+def resync(pool: TrackedPool) -> None:
     """Hand a test's shared pool over with every replica up and on the current version: a replica
     an earlier test killed or left behind is waited for and given `pool.held` (the checkpoint of
     the current version) as the learner would."""

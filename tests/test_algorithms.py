@@ -1,21 +1,28 @@
 """Per-algorithm row selection, microbatching and loss weighting (pure tensors, no engines)."""
 import math
+from typing import cast
 
 import pytest
 import torch
 
 from megatron_async import algorithms
 from megatron_async.algorithms import ALGORITHMS
+from megatron_async.algorithms.base import Algorithm, Microbatch, attach
 from megatron_async.config import TrainerConfig
 from megatron_async.algorithms.batching import Sample
 from megatron_async.algorithms.losses import dpo_loss, sequence_logprobs
+from megatron_async.algorithms.ppo import PPO
 
 
 K = 2  # completions per prompt of the batches these tests build
 
 
-def algo(name: str, **trainer):
+def algo(name: str, **trainer) -> Algorithm:
     return ALGORITHMS[name](TrainerConfig(algorithm=name, **trainer))
+
+
+def ppo_algo(**trainer) -> PPO:
+    return PPO(TrainerConfig(algorithm="ppo", **trainer))
 
 
 def sample(prompt, reward, n_completion=3, lp=-1.0):
@@ -88,11 +95,11 @@ def test_dpo_loss_fn_equals_the_mean_over_real_pairs():
     torch.manual_seed(0)
     logps, losses = [], []
     for mb in mbs:
-        mb["ref_logprobs"] = -torch.rand(mb["input_ids"].shape) * mb["loss_mask"]
+        attach([mb], "ref_logprobs", [-torch.rand(mb["input_ids"].shape) * mb["loss_mask"]])
         lp = -torch.rand(mb["input_ids"].shape) * mb["loss_mask"]
         logps.append((lp, mb))
         losses.append(loss_fn(lp, mb)[0])
-    got = sum(losses) / len(losses)  # what megatron's schedule computes
+    got = torch.stack(losses).sum() / len(losses)  # what megatron's schedule computes
     seq = torch.cat([sequence_logprobs(lp, mb["loss_mask"])[mb["row_weight"] > 0] for lp, mb in logps])
     ref = torch.cat([sequence_logprobs(mb["ref_logprobs"], mb["loss_mask"])[mb["row_weight"] > 0] for _, mb in logps])
     want, _ = dpo_loss(seq[0::2], seq[1::2], ref[0::2], ref[1::2], beta=0.1)
@@ -109,11 +116,12 @@ def test_rloo_advantages_use_kl_regularised_rewards():
     assert mbs[0]["advantages"].tolist() == pytest.approx([r[0] - r[1], r[1] - r[0]])  # one group: no padding
 
 
-def with_padding_row(mb):
+def with_padding_row(mb: Microbatch) -> Microbatch:
     """`mb` with one padding row appended as `Algorithm.microbatches` pads a short last microbatch:
     a copy of row 0 with row_weight 0, after the `real_rows` real ones."""
-    return {k: torch.cat([v, v[:1] * (0 if k == "row_weight" else 1)]) if isinstance(v, torch.Tensor) and v.dim()
-            else v for k, v in mb.items()}
+    padded = {k: torch.cat([v, v[:1] * (0 if k == "row_weight" else 1)]) if isinstance(v, torch.Tensor) and v.dim()
+              else v for k, v in mb.items()}
+    return cast(Microbatch, padded)  # the same keys as mb
 
 
 def ppo_microbatch():
@@ -126,15 +134,15 @@ def ppo_microbatch():
     rows, _ = ppo.select([sample(0, 1.0, n_completion=2, lp=-1.0), sample(0, 0.0, n_completion=1, lp=-0.5)], K)
     (mb,) = ppo.microbatches(rows, pad_id=0, micro_batch_size=3)  # 2 rows: `microbatches` pads none
     mb = with_padding_row(mb)
-    mb["ref_logprobs"] = torch.tensor([[0, 0, -1.5, -1.0], [0, 0, -0.5, 0], [0, 0, -1.5, -1.0]])
-    mb["old_values"] = torch.tensor([[9, 9, 0.5, 0.8], [9, 9, 0.2, 9], [9, 9, 0.5, 0.8]])
+    attach([mb], "ref_logprobs", [torch.tensor([[0, 0, -1.5, -1.0], [0, 0, -0.5, 0], [0, 0, -1.5, -1.0]])])
+    attach([mb], "old_values", [torch.tensor([[9, 9, 0.5, 0.8], [9, 9, 0.2, 9], [9, 9, 0.5, 0.8]])])
     return mb
 
 
 def test_ppo_rewards_gae_and_whitening_match_hand_computation():
     mb = ppo_microbatch()
     assert mb["gen_logprobs"].tolist() == [[0, 0, -1, -1], [0, 0, -0.5, 0], [0, 0, -1, -1]]
-    metrics = algo("ppo", beta=0.2, gamma=0.9, lam=0.5).add_advantages([mb])
+    metrics = ppo_algo(beta=0.2, gamma=0.9, lam=0.5).add_advantages([mb])
     # rewards: row 0 [-0.2 * 0.5, 0 + score 1] = [-0.1, 1.0]; row 1 [0 + score 0]
     # row 0: A3 = 1.0 - 0.8 = 0.2;  A2 = (-0.1 + 0.9 * 0.8 - 0.5) + 0.9 * 0.5 * 0.2 = 0.12 + 0.09 = 0.21
     # row 1: A2 = 0 - 0.2 = -0.2.   returns = A + V_old
@@ -155,9 +163,9 @@ def test_ppo_loss_fns_use_old_logprobs_values_and_real_rows_only():
     from megatron_async.algorithms.losses import ppo_policy_loss, ppo_value_loss
 
     mb = ppo_microbatch()
-    ppo = algo("ppo", beta=0.2, gamma=0.9, lam=0.5, clip_eps=0.2, vf_coef=0.1)
+    ppo = ppo_algo(beta=0.2, gamma=0.9, lam=0.5, clip_eps=0.2, vf_coef=0.1)
     ppo.add_advantages([mb])
-    mb["old_logprobs"] = mb["gen_logprobs"] - 0.05 * mb["loss_mask"]
+    attach([mb], "old_logprobs", [mb["gen_logprobs"] - 0.05 * mb["loss_mask"]])
     new = mb["gen_logprobs"] + 0.3 * mb["loss_mask"]  # ratio e^0.35: clipped where A > 0
     loss, m = ppo.loss(new, mb)
     want, _ = ppo_policy_loss(new[:2], mb["old_logprobs"][:2], mb["advantages"][:2], mb["loss_mask"][:2], 0.2)
@@ -174,7 +182,7 @@ def test_ppo_needs_the_generating_policys_logprobs():
     mb = ppo_microbatch()
     del mb["gen_logprobs"]
     with pytest.raises(ValueError, match="trainer.algorithm=ppo"):
-        algo("ppo", beta=0.2, gamma=0.9, lam=0.5).add_advantages([mb])
+        ppo_algo(beta=0.2, gamma=0.9, lam=0.5).add_advantages([mb])
 
 
 def test_values_are_aligned_with_logprobs():
@@ -206,7 +214,7 @@ def test_dpo_nll_term_adds_the_chosen_token_mean_nll():
     samples = [sample(0, 1.0), sample(0, 0.0)]
     rows, _ = algo("online_dpo").select(samples, K)
     (mb,) = algo("online_dpo").microbatches(rows, pad_id=0, micro_batch_size=2)
-    mb["ref_logprobs"] = torch.zeros(mb["input_ids"].shape)
+    attach([mb], "ref_logprobs", [torch.zeros(mb["input_ids"].shape)])
     lp = -0.5 * mb["loss_mask"]  # every completion token has logprob -0.5
     plain, _ = algo("online_dpo", beta=0.1).loss(lp, mb)
     rpo, m = algo("online_dpo", beta=0.1, dpo_nll_coef=2.0).loss(lp, mb)
@@ -279,8 +287,7 @@ def test_the_staleness_monitor_reads_the_training_forward_only_for_one_optimizer
     if fused:  # no forward of its own; the learner gives it the training forward's logprobs afterwards
         deferred, models = mbs(), CountingModels(old)
         assert a.prepare(deferred, models, K, old_from_training=True) == {} and models.policy_calls == 0
-        for mb, lp in zip(deferred[0], old):
-            mb["old_logprobs"] = lp
+        attach(deferred[0], "old_logprobs", old)
         stats_deferred = a.staleness(deferred)
         assert stats_deferred.keys() == stats_separate.keys() and stats_deferred
         for key, value in stats_separate.items():
@@ -359,7 +366,7 @@ def test_under_a_token_budget_the_dpo_loss_is_the_same_mean_over_pairs(max_token
         losses = []
         for mb in mbs:
             s, index = mb["input_ids"].shape[1], index_of(mb)
-            mb["ref_logprobs"] = torch.stack([ref_of[i][:s] for i in index]) * mb["loss_mask"]
+            attach([mb], "ref_logprobs", [torch.stack([ref_of[i][:s] for i in index]) * mb["loss_mask"]])
             lp = torch.stack([lp_of[i][:s] for i in index]) * mb["loss_mask"]
             losses.append(dpo.loss(lp, mb)[0])
         return sum(losses) / len(losses)  # what megatron's schedule computes
@@ -384,6 +391,6 @@ def test_under_a_token_budget_per_row_values_come_back_in_row_order():
         assert real_rows_of(mbs, "rewards").tolist() == [r.reward for r in rows]
         rloo.prepare([mbs], FixedModels(reference=[mb["gen_logprobs"] - 0.1 * mb["loss_mask"] for mb in mbs]), K)
         results.append(real_rows_of(mbs, "advantages"))
-        scatter_rows(mbs, "check", torch.arange(8.0))
-        assert real_rows_of(mbs, "check").tolist() == list(range(8))
+        scatter_rows(mbs, "is_sequence_weights", torch.arange(8.0))  # a per-row field rloo does not read
+        assert real_rows_of(mbs, "is_sequence_weights").tolist() == list(range(8))
     assert results[1].tolist() == pytest.approx(results[0].tolist())

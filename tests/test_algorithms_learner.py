@@ -103,7 +103,8 @@ def tiny_rm(tiny_ckpts, tmp_path_factory):
     out = tmp_path_factory.mktemp("rm")
     vocab = json.loads((tiny_ckpts["gqa"] / "config.json").read_text())["vocab_size"]
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=1, pad_token_id=0, num_labels=1)
+                      num_attention_heads=4, num_key_value_heads=1, pad_token_id=0)
+    cfg.num_labels = 1  # a PretrainedConfig property, not one of LlamaConfig's typed arguments
     torch.manual_seed(5)
     model = LlamaForSequenceClassification(cfg).float()
     with torch.no_grad():

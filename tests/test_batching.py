@@ -27,7 +27,8 @@ def test_from_rollout_completion():
                    logprobs=(-0.5, -0.25, -1.0), finish_reason="stop", replica_id=1, policy_version=4, policy_version_max=4)
     s = Sample.from_completion(c, reward=1.0)
     assert (s.prompt_index, list(s.prompt_ids), list(s.completion_ids), s.version, s.replica_id) == (3, [1, 2], [5, 6, 2], 4, 1)
-    assert collate([s], pad_id=0).gen_logprobs.tolist() == [[0.0, 0.0, -0.5, -0.25, -1.0]]
+    gen_logprobs = collate([s], pad_id=0).gen_logprobs
+    assert gen_logprobs is not None and gen_logprobs.tolist() == [[0.0, 0.0, -0.5, -0.25, -1.0]]
 
 
 def test_dpo_pairs_best_vs_worst_ties_skipped_and_counted():
@@ -85,6 +86,7 @@ def test_collate_layout_and_alignment():
     assert batch.input_ids.tolist() == [[11, 12, 21, 22, 23], [13, 14, 15, 24, 0]]
     assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
     assert batch.completion_mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 1, 0]]
+    assert batch.gen_logprobs is not None
     assert batch.gen_logprobs.tolist() == [[0, 0, -1.0, -2.0, -3.0], [0, 0, 0, -4.0, 0]]
     assert batch.rewards.tolist() == [1.0, 0.0] and batch.versions.tolist() == [5, 6]
     # the mask picks out exactly each completion's tokens, and the losses' sums agree
@@ -113,6 +115,7 @@ def test_dpo_pairs_collate_to_adjacent_rows():
 
     rows, _ = OnlineDPO(cfg=None).select([make(0, 0.0, (5,)), make(0, 1.0, (6, 7, 8)), make(1, 1.0, (9,)), make(1, 0.0, (4,))], 2)
     batch = collate(rows, pad_id=0)
+    assert batch.gen_logprobs is not None
     assert batch.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
     assert batch.input_ids[:, 3].tolist() == [6, 5, 9, 4]
     logps = sequence_logprobs(batch.gen_logprobs, batch.completion_mask)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
+from typing import cast
 
 import pytest
 import torch
 
+from megatron_async.rollout.replica import ReplicaClient
 from megatron_async.weights.broadcast import BroadcastSender, Fanout
 
 BUFFER = 64  # bytes
@@ -38,7 +40,8 @@ class Channel:
     """On a `Stream` shared with others (NCCL), or, with `gloo`, its broadcasts run at once."""
 
     def __init__(self, stream: Stream, instant: bool = False, gloo: bool = False):
-        self.stream, self.instant, self.gloo, self.destroyed_after = stream, instant, gloo, None
+        self.stream, self.instant, self.gloo = stream, instant, gloo
+        self.destroyed_after: list[bool] | None = None
 
     def send(self, tensors):
         sending = Sending(self.stream, self.stream.queue[-1] if self.stream.queue and not self.gloo else None)
@@ -142,7 +145,7 @@ class BlockingClient:
 def test_group_formation_that_never_returns_is_given_up_at_its_bound_on_daemon_threads():
     url = "http://127.0.0.1:1"
     sender = BroadcastSender([url], "key", wire=BlockingWire(), replica_tp=1, timeout_s=0.3, bucket_bytes=BUFFER)
-    sender._clients[url] = BlockingClient()
+    sender._clients[url] = cast(ReplicaClient, BlockingClient())  # its init call never returns
     before = set(threading.enumerate())
     try:
         with pytest.raises(TimeoutError, match="did not form within"):

@@ -20,6 +20,7 @@ import signal
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import torch
@@ -29,15 +30,17 @@ from megatron_async.io_utils import replace_dir
 from megatron_async.run import checkpoint as run_checkpoint
 from megatron_async.run.checkpoint import (CheckpointSaveError, checkpoint_root, latest_checkpoint, load_run_checkpoint,
                                            save_run_checkpoint)
+from megatron_async.run.learner_state import LearnerState
 
 
 def run_config(out_dir: Path):
     return load_config(None, [f"run.out_dir={out_dir}"])
 
 
-def fake_learner(version: int) -> SimpleNamespace:
+def fake_learner(version: int) -> LearnerState:
     """What save_run_checkpoint reads of a learner when the writer is a stand-in."""
-    return SimpleNamespace(value=None, policy=SimpleNamespace(model=None, optimizer=None, scheduler=None), version=version)
+    fake = SimpleNamespace(value=None, policy=SimpleNamespace(model=None, optimizer=None, scheduler=None), version=version)
+    return cast(LearnerState, fake)
 
 
 def writer_request(write):
@@ -104,7 +107,8 @@ def test_the_ranks_verify_shares_that_cover_every_file_once_and_balance_the_byte
     from megatron_async.learner.checkpoint import file_share
 
     sizes = {f"dist/__{r}_{i}.distcp": 1000 * (r + 1) + i for r in range(4) for i in range(2)}
-    manifest = {"files": {name: "digest" for name in [*sizes, "common.pt"]}, "sizes": {**sizes, "common.pt": 10}}
+    manifest: dict[str, dict] = {"files": {name: "digest" for name in [*sizes, "common.pt"]},
+                                 "sizes": {**sizes, "common.pt": 10}}
     shares = [file_share(manifest, rank, 3) for rank in range(3)]
     assert sorted(name for share in shares for name in share) == sorted(manifest["files"])
     loads = [sum(manifest["sizes"][name] for name in share) for share in shares]
@@ -225,7 +229,9 @@ def test_a_save_the_file_system_refuses_leaves_the_previous_checkpoint_loadable(
                      r"File too large|RuntimeError: .*unexpected pos \d+ vs \d+); its partial files were removed and "
                      rf"the previous checkpoint, {first} \(step 1\), is intact", str(e.value)), str(e.value)
     assert sorted(p.name for p in checkpoint_root(cfg).iterdir()) == ["latest", "step_000001"]
-    assert_loads_the_saved_weights(cfg, learner, latest_checkpoint(cfg), saved)
+    latest = latest_checkpoint(cfg)
+    assert latest is not None
+    assert_loads_the_saved_weights(cfg, learner, latest, saved)
 
 
 MS_RDONLY, MS_REMOUNT = 1, 32  # <sys/mount.h>

@@ -108,7 +108,8 @@ def test_run_summary_says_what_its_wall_time_and_held_out_count_are(tmp_path, mo
     assert ("wall time: 2.0 min of this command, which resumed the run at step 40 (the commands before it are not "
             "counted)") in text
     monkeypatch.setenv(TRAIN_STARTED_ENV, str(time.time() - 90))  # set by the CLI when `train` starts
-    assert 90 <= report._command_seconds() < 90 + 60
+    seconds = report._command_seconds()
+    assert seconds is not None and 90 <= seconds < 90 + 60
 
 
 CPU_TINY = str(Path(__file__).resolve().parents[1] / "configs" / "cpu_tiny.yaml")
@@ -148,7 +149,8 @@ class _FakePool:
     """Answers every prompt with a fixed completion (its token ids are characters)."""
 
     def __init__(self, answers: dict[int, str]):
-        self.answers, self.calls = answers, []
+        self.answers = answers
+        self.calls: list = []
 
     def pids(self):
         return [1]
@@ -202,6 +204,7 @@ def test_compare_evals_prints_the_paired_test(tmp_path, capsys):
 
     spec = importlib.util.spec_from_file_location("compare_evals", Path(__file__).resolve().parents[1] / "tools"
                                                   / "compare_evals.py")
+    assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     for tag, right in (("before", (0,)), ("after", (0, 1, 2))):

@@ -129,6 +129,7 @@ def test_real_gsm8k_files_load_and_score_their_own_answers(split, size):
     assert len({p.id for p in problems}) == size
     # every reference scores 1.0 against itself and 0.0 against a different answer
     for p in problems[:: max(1, size // 200)]:
+        assert p.solution is not None  # every GSM8k record has its answer
         assert gsm8k_reward("", p.solution, p.solution) == 1.0
         assert gsm8k_reward("", f"#### {p.answer}1", p.solution) == 0.0
     if split == "train":
@@ -168,6 +169,7 @@ def _left_to_right(expr: str) -> int:
 
 def test_synthetic_solutions_are_gsm8k_format_and_correct():
     for p in synthetic_problems(200, seed=5) + synthetic_problems(50, seed=5, split="test"):
+        assert p.solution is not None and p.answer is not None
         assert p.solution.endswith(f"#### {p.answer}")
         assert int(p.answer) >= 0
         assert gsm8k_reward("", p.solution, p.solution) == 1.0
@@ -297,17 +299,19 @@ def test_load_prompts_reads_the_chat_keys(bos_tokenizer, tmp_path):
     cfg = load_config(None, [f"data.train={path}", "data.chat_template=true", "data.prompt_template=\"{question}\"",
                              "data.system_prompt=Be brief."])
     (p,), _ = load_prompts(cfg, bos_tokenizer, str(path), "train", 0)
-    assert p.messages[0] == {"role": "system", "content": "Be brief."} and p.text.endswith("<|assistant|>\n")
+    assert p.messages is not None and p.messages[0] == {"role": "system", "content": "Be brief."}
+    assert p.text.endswith("<|assistant|>\n")
 
 
 def test_synthetic_solutions_are_mostly_direct_and_open_by_their_style():
     """The main job's SFT data: DIRECT_FRACTION of the solutions state only the answer and say so in
     their first words, the rest are worked steps that open with the first calculation."""
     problems = synthetic_problems(2000, seed=3)
-    direct = [p for p in problems if p.solution.startswith("The answer is ")]
-    worked = [p for p in problems if not p.solution.startswith("The answer is ")]
+    solutions = [p.solution or "" for p in problems]  # every synthetic problem has one (the test above)
+    direct = [p for p, s in zip(problems, solutions) if s.startswith("The answer is ")]
+    worked = [s for s in solutions if not s.startswith("The answer is ")]
     assert all(p.solution == f"The answer is {p.answer}.\n#### {p.answer}" for p in direct)
-    assert all(re.match(r"\d+ [-+*/] \d+ = ", p.solution) for p in worked)
+    assert all(re.match(r"\d+ [-+*/] \d+ = ", s) for s in worked)
     assert abs(len(direct) / len(problems) - DIRECT_FRACTION) < 0.03
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import base64
 from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import torch
 
+from megatron_async.rollout import ReplicaPool
 from megatron_async.rollout.replica import ReplicaError
 from megatron_async.weights.build import AUTO_FULL_EVERY, resolve_full_every
 from megatron_async.weights.delta import DELTA_SUFFIX, DeltaBaseError, DeltaDecoder, DeltaEncoder, decode_delta, encode_delta
@@ -108,7 +110,8 @@ class FakeClient:
     """Records what one replica's engine would receive; fails the push when told to."""
 
     def __init__(self, url: str):
-        self.url, self.fail, self.decoder, self.pushes = url, False, DeltaDecoder(), []
+        self.url, self.fail, self.decoder = url, False, DeltaDecoder()
+        self.pushes: list[dict] = []
 
     def update_weights(self, info: dict) -> None:
         if self.fail:
@@ -161,7 +164,7 @@ def test_the_update_sends_deltas_between_full_pushes_and_a_full_one_after_a_fail
     clients = {u: FakeClient(u) for u in urls}
     monkeypatch.setattr(host_memory, "ReplicaClient", lambda url, key, timeout_s: clients[url])
     sender = host_memory.HostMemorySender(urls, "key", transport="http")
-    update = WeightUpdate.local(FakePool(urls), sender, full_every=3)
+    update = WeightUpdate.local(cast(ReplicaPool, FakePool(urls)), sender, full_every=3)  # its update phases
     weights, kinds = version(0), []
     for step in range(7):
         clients[urls[1]].fail = step == 3

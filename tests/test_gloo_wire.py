@@ -26,7 +26,7 @@ from megatron_async.rollout.replica import ReplicaClient
 from megatron_async.weights.broadcast import BroadcastSender, make_wire
 from megatron_async.weights.update import WeightSyncError, WeightUpdate
 from tests.rollout_fixtures import (
-    LOGPROB_TOL, SMALL_BUCKET, KillingWire, max_logprob_diff, sparsely_changed, spec, state_dict, wait_for,
+    LOGPROB_TOL, SMALL_BUCKET, KillingWire, TrackedPool, max_logprob_diff, sparsely_changed, spec, state_dict, wait_for,
 )
 
 pytestmark = pytest.mark.integration
@@ -37,9 +37,8 @@ TIMEOUT_S = 60.0
 
 @pytest.fixture(scope="module")
 def gloo_pool(tiny_models, tmp_path_factory):
-    with ReplicaPool(spec(tiny_models[0], weight_backend="mas_gloo"), 1, log_dir=tmp_path_factory.mktemp("logs"),
-                     request_timeout_s=120, start_timeout_s=300) as pool:
-        pool.next_version = 1
+    with TrackedPool(spec(tiny_models[0], weight_backend="mas_gloo"), 1, log_dir=tmp_path_factory.mktemp("logs"),
+                    request_timeout_s=120, start_timeout_s=300) as pool:
         yield pool
 
 
@@ -205,8 +204,7 @@ def test_a_tp2_replica_receives_every_tensor_on_both_workers(tiny_models, tmp_pa
     bind threads of 2 local CPUWorkers"): VLLM_CPU_OMP_THREADS_BIND="0|1", one CPU each."""
     replica = spec(tiny_models[0], weight_backend="mas_gloo", tensor_parallel_size=2,
                    env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-    with ReplicaPool(replica, 1, log_dir=tmp_path, start_timeout_s=400, request_timeout_s=200) as pool:
-        pool.next_version = 1
+    with TrackedPool(replica, 1, log_dir=tmp_path, start_timeout_s=400, request_timeout_s=200) as pool:
         sender = BroadcastSender(pool.urls, pool.key, wire=make_wire("gloo"), replica_tp=2, timeout_s=TIMEOUT_S,
                                  bucket_bytes=SMALL_BUCKET)
         try:

@@ -23,6 +23,7 @@ PHASES = ("env", "fork_probe", "gpu_tests", "learner_bench", "weights_bench", "w
 
 def _tool(name: str):
     loaded = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    assert loaded is not None and loaded.loader is not None, name
     module = importlib.util.module_from_spec(loaded)
     loaded.loader.exec_module(module)
     return module
@@ -110,7 +111,8 @@ def test_each_pack_hands_back_one_archive_and_one_summary_of_what_ended(tmp_path
         assert sorted(tar.getnames()) == second["archive_members"] == [
             "gpu_check/env.json", "gpu_check/exit_codes.txt", "gpu_check/fork_probe.json", "gpu_check/gpu_tests.json",
             "gpu_check/gpu_tests.jsonl", "gpu_check/install.log", "gpu_check/learner_bench/learner.json"]
-        assert tar.extractfile("gpu_check/gpu_tests.json").read() == (work / "gpu_tests.json").read_bytes()
+        member = tar.extractfile("gpu_check/gpu_tests.json")
+        assert member is not None and member.read() == (work / "gpu_tests.json").read_bytes()
 
 
 def test_the_summary_states_the_reach_of_each_claim_of_the_gpu_section(tmp_path):

@@ -72,7 +72,7 @@ def layout_runs(tiny_ckpts, tmp_path_factory):
 
 
 def _load(out, model):
-    step = {"grads": {}, "weights": {}}
+    step: dict[str, dict[str, torch.Tensor]] = {"grads": {}, "weights": {}}
     for f in sorted(out.glob(f"{model}_step_stage*.pt")):
         part = torch.load(f)
         step["grads"].update(part["grads"])

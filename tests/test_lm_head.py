@@ -5,10 +5,12 @@ tests/test_learner_parity.py, test_vocab_padding.py and test_learner_regression.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import pytest
 import torch
 
+from megatron_async.learner.lm_head import LMHead
 from megatron_async.learner.logprobs import token_logprobs
 from megatron_async.learner.model import padded_vocab_size
 
@@ -26,6 +28,11 @@ class LinearHead:
     @property
     def vocab_per_rank(self) -> int:
         return self.weight.shape[0]
+
+
+def linear_head(weight: torch.Tensor, sequence_parallel: bool = False) -> LMHead:
+    """A LinearHead where token_logprobs takes an LMHead (it uses only the interface they share)."""
+    return cast(LMHead, LinearHead(weight, sequence_parallel))
 
 
 @pytest.fixture
@@ -70,9 +77,9 @@ def test_chunked_logprobs_and_gradients_equal_the_whole(one_tp_rank, chunk_slice
         return lp.detach(), x.grad, w.grad
 
     want = run(lambda x, w: reference(x, w, ids, vocab, temperature))
-    got = run(lambda x, w: token_logprobs(x, ids, LinearHead(w, sequence_parallel), temperature, vocab, chunk_bytes))
+    got = run(lambda x, w: token_logprobs(x, ids, linear_head(w, sequence_parallel), temperature, vocab, chunk_bytes))
     with torch.no_grad():
-        got_no_grad = token_logprobs(hidden, ids, LinearHead(weight, sequence_parallel), temperature, vocab, chunk_bytes)
+        got_no_grad = token_logprobs(hidden, ids, linear_head(weight, sequence_parallel), temperature, vocab, chunk_bytes)
     assert torch.all(got[0][:, 0] == 0) and torch.all(got_no_grad[:, 0] == 0)
     for name, g, w in zip(("logprobs", "hidden grad", "weight grad"), got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)
@@ -92,6 +99,6 @@ def test_forward_only_logprobs_equal_a_log_softmax_over_the_real_vocabulary(voca
     hidden[..., 0], weight[vocab:, 0] = 1.0, 9.0  # padding logits of 9: they would take mass if not left out
     ids = torch.randint(0, vocab, (2, 6))
     with torch.no_grad():
-        got = token_logprobs(hidden, ids, LinearHead(weight), temperature=temperature, vocab_size=vocab)
+        got = token_logprobs(hidden, ids, linear_head(weight), temperature=temperature, vocab_size=vocab)
     assert got.shape == ids.shape and torch.all(got[:, 0] == 0)
     torch.testing.assert_close(got, reference(hidden, weight, ids, vocab, temperature), rtol=0, atol=1e-4)

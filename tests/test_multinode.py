@@ -9,6 +9,7 @@ plays node 0 and uses its URL; another checks what a pool of such URLs does when
 The other tests check the placement config (GPU splits, fits, reachability of loopback replicas)
 without GPUs, by giving `placement.gpus_per_node`.
 """
+import functools
 import json
 import os
 import re
@@ -245,10 +246,10 @@ def test_pool_of_replica_urls_when_their_server_dies(tmp_path):
     server = serve_replica(node1, port)
     base = node1 / "cpu_tiny" / "base_model"  # what `serve-replica` serves (it builds it)
     try:
-        common = dict(urls=[url], key=TOKEN, request_timeout_s=60)
-        with ReplicaPool(ReplicaSpec(model=str(base)), max_failures=0, start_timeout_s=300, **common) as strict, \
-                ReplicaPool(ReplicaSpec(model=str(base)), max_failures=1, start_timeout_s=5, **common) as patient, \
-                ReplicaPool(ReplicaSpec(model=str(base)), max_failures=1, start_timeout_s=300, **common) as pool:
+        remote = functools.partial(ReplicaPool, ReplicaSpec(model=str(base)), urls=[url], key=TOKEN, request_timeout_s=60)
+        with remote(max_failures=0, start_timeout_s=300) as strict, \
+                remote(max_failures=1, start_timeout_s=5) as patient, \
+                remote(max_failures=1, start_timeout_s=300) as pool:
             for p in (strict, patient, pool):
                 records = p.generate(prompts, sampling)
                 assert len(records) == 4 and {(r.replica_id, r.policy_version) for r in records} == {(0, 0)}

@@ -10,6 +10,7 @@ lent GPU is one H200 without vLLM).
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import socket
 
@@ -82,7 +83,8 @@ class RecordingGroup:
     """A stand-in communicator: what was broadcast over it, and whether it was destroyed."""
 
     def __init__(self, group: int):
-        self.group, self.received, self.destroyed = group, [], False
+        self.group, self.destroyed = group, False
+        self.received: list[tuple[int, ...]] = []
 
     def broadcast(self, tensor, src, stream=None):
         tensor.fill_(float(self.group))  # "receives" its group's number
@@ -117,11 +119,11 @@ def test_the_engine_holds_one_group_per_pipeline_stage_and_receives_each_bucket_
     engine = Engine.__new__(Engine)  # vLLM's constructor wants a running model; the groups' logic does not
     engine.groups, engine.device, engine.model = {}, torch.device("cpu"), Model()
     engine.coverage, engine.deltas, engine.group_infos = UpdateCoverage(), DeltaDecoder(), {}
-    info = dict(master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=2)
-    engine.init_transfer_engine(BroadcastInitInfo(**info, group=0))
-    engine.init_transfer_engine(BroadcastInitInfo(**info, group=1))
+    info = functools.partial(BroadcastInitInfo, master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=2)
+    engine.init_transfer_engine(info(group=0))
+    engine.init_transfer_engine(info(group=1))
     first = engine.groups[1]
-    engine.init_transfer_engine(BroadcastInitInfo(**info, group=1))  # stage 1's sender re-formed its group
+    engine.init_transfer_engine(info(group=1))  # stage 1's sender re-formed its group
     assert first.destroyed and not engine.groups[0].destroyed and sorted(engine.groups) == [0, 1]
     engine.coverage.start(engine.model)  # one update session, both stages' buckets in it
     engine.receive_weights(BroadcastUpdateInfo(names=["a", "b"], dtype_names=["float32"] * 2, shapes=[[2], [3]], group=1))

@@ -10,7 +10,9 @@ import torch
 from megatron_async.algorithms import ALGORITHMS, Algorithm
 from megatron_async.algorithms.batching import Sample
 from megatron_async.algorithms.grpo import group_advantages
-from megatron_async.algorithms.off_policy import behaviour_weights, sequence_weights, staleness_stats
+from megatron_async.algorithms.base import attach
+from megatron_async.algorithms.off_policy import Correction, behaviour_weights, sequence_weights, staleness_stats
+from megatron_async.algorithms.ppo import PPO
 from megatron_async.config import ConfigError, TrainerConfig, load_config
 from megatron_async.rollout.producer import RolloutBatch, RolloutProducer
 from megatron_async.run.adaptive_lag import AdaptiveLag
@@ -19,7 +21,7 @@ from megatron_async.run.adaptive_lag import AdaptiveLag
 K = 2  # completions per prompt of the batches these tests build
 
 
-def algo(name, correction="none", **trainer):
+def algo(name: str, correction: Correction = "none", **trainer) -> Algorithm:
     return ALGORITHMS[name](TrainerConfig(algorithm=name, **trainer), correction)
 
 
@@ -77,12 +79,12 @@ def test_staleness_statistics_match_hand_computation():
 
 def test_tis_weights_reach_the_ppo_loss_and_none_leaves_it_alone():
     rows = [sample(0, 1.0), sample(0, 0.0)]
-    for correction in ("none", "tis"):
-        ppo = algo("ppo", correction=correction, beta=0.0, gamma=1.0, lam=1.0)
+    corrections: tuple[Correction, ...] = ("none", "tis")
+    for correction in corrections:
+        ppo = PPO(TrainerConfig(algorithm="ppo", beta=0.0, gamma=1.0, lam=1.0), correction)
         mbs = ppo.microbatches(rows, pad_id=0, micro_batch_size=2)
         old = [mbs[0]["gen_logprobs"] + torch.log(torch.tensor(3.0)) * mbs[0]["loss_mask"]]  # w = 3 -> tis caps at 2
-        for mb in mbs:
-            mb["old_values"] = torch.zeros(mb["input_ids"].shape)
+        attach(mbs, "old_values", [torch.zeros(mb["input_ids"].shape) for mb in mbs])
         stats = Algorithm.prepare(ppo, [mbs], OldModels(old), K)  # the shared part of PPO.prepare (no value model)
         ppo.add_advantages(mbs)
         mb = mbs[0]
@@ -134,8 +136,7 @@ def test_grpo_kl_term_is_k3_to_the_reference():
     mbs = grpo.microbatches(rows, pad_id=0, micro_batch_size=2)
     grpo.prepare([mbs], OldModels([torch.zeros(mbs[0]["input_ids"].shape)]), K)
     lp = -0.1 * mbs[0]["loss_mask"]
-    for mb in mbs:
-        mb["old_logprobs"] = lp.clone()  # ratio 1
+    attach(mbs, "old_logprobs", [lp.clone() for _ in mbs])  # ratio 1
     loss, m = grpo.loss(lp, mbs[0])
     k3 = math.exp(0.1) - 0.1 - 1  # ref 0, logp -0.1
     assert float(m["policy/kl_k3_ref"]) == pytest.approx(k3, rel=1e-5)
@@ -161,7 +162,8 @@ def test_adaptive_lag_rises_while_starved_and_under_target_and_falls_over_it():
 def test_admission_stays_exact_when_the_lag_changes_between_batches():
     """Every batch is trained no staler than the lag in force when it was admitted, and the
     learner never changes the weights under a batch in flight."""
-    admitted, held = {}, {"version": 0}  # held: what the replicas hold (the learner's last push)
+    admitted: dict[int, int] = {}
+    held = {"version": 0}  # held: what the replicas hold (the learner's last push)
     gate = threading.Event()
 
     def make_batch(index):

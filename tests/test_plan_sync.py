@@ -110,6 +110,7 @@ def test_the_8b_recipe_crosses_into_the_replica_node_once_per_replica(monkeypatc
     assert [(g.node, g.replicas, g.ranks, g.link) for g in stage.groups] == \
         [(1, [i], 2, "infiniband") for i in range(8)]
     assert stage.bytes == 2 * 8_030_261_248  # LLaMA-3.1-8B's parameters in bf16
+    assert stage.seconds is not None  # modelled: nccl
     assert stage.seconds == pytest.approx(8 * stage.bytes / 40e9 + 0.01)
     assert got.seconds == pytest.approx(stage.seconds + len(PHASE_CALLS) * 0.01)
 
@@ -122,7 +123,7 @@ def test_node_groups_computes_the_not_built_design_for_comparison(monkeypatch, c
     [stage] = node.stages
     assert [(g.node, g.replicas, g.ranks) for g in stage.groups] == [(1, list(range(8)), 9)]
     assert stage.seconds == pytest.approx(stage.bytes / 50e9 + 0.003)
-    assert built.seconds > node.seconds
+    assert built.seconds is not None and node.seconds is not None and built.seconds > node.seconds
     assert "NOT BUILT" in node.render() and "NOT BUILT" not in built.render()
     assert "NOT BUILT" in node.to_json()["design"]
 
@@ -135,7 +136,8 @@ def test_broadcast_buffers_follow_vllms_packing_rule(tmp_path, bucket_mb):
     layout = [*ONE_NODE, f"model.hf_path={hf}", f"rollout.sync_bucket_mb={bucket_mb}"]
     nccl, shm = plan(*layout, "rollout.weight_transport=nccl"), plan(*layout, "rollout.weight_transport=shm")
     [(_, tensors)] = stage_tensors(json.loads((hf / "config.json").read_text()), 1, 1)
-    cap, buffers, total = bucket_mb << 20, [], 0
+    cap, total = bucket_mb << 20, 0
+    buffers: list[int] = []
     for _, t in tensors:  # the rule, written out here on its own
         total += 2 * t.numel()  # bf16
         if total > cap:

@@ -162,7 +162,7 @@ def test_prompt_and_completion_must_fit_the_models_positions(edited_model):
 
 def test_a_checkpoint_the_learner_cannot_build_is_refused(edited_model):
     """Whatever learner.model.read_arch refuses, the preflight refuses first, naming config.json."""
-    cases = {"model_type 'gpt2' is not supported": {"model_type": "gpt2"},
+    cases: dict[str, dict[str, object]] = {"model_type 'gpt2' is not supported": {"model_type": "gpt2"},
              "hidden_act 'gelu' is not supported": {"hidden_act": "gelu"},
              "rope_type 'yarn' is not supported": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0},
                                                    "rope_parameters": None},
@@ -308,7 +308,8 @@ def reward_model(hf_model, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("rm")
     hf = json.loads((hf_model / "config.json").read_text())
     cfg = LlamaConfig(vocab_size=hf["vocab_size"], hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=hf["pad_token_id"], num_labels=1)
+                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=hf["pad_token_id"])
+    cfg.num_labels = 1  # a PretrainedConfig property, not one of LlamaConfig's typed arguments
     LlamaForSequenceClassification(cfg).save_pretrained(str(out), safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(hf_model / name, out / name)

@@ -37,7 +37,8 @@ def test_a_run_that_trains_on_nothing_but_nan_never_ends_with_exit_0():
     from tests.batches import scored_batch as batch
 
     scored, unscored = batch([[1.0, 0.0], [0.0, None]]), batch([[None, None], [None, None]])
-    nan_step, trained, tied = {"train/skipped": 1.0}, {"train/skipped": 0.0}, {}  # tied: all prompts tie, no train/*
+    nan_step, trained = {"train/skipped": 1.0}, {"train/skipped": 0.0}
+    tied: dict[str, float] = {}  # all prompts tie, no train/*
     steps = [(scored, nan_step), (unscored, {}), (scored, trained), (batch([[1.0, 1.0]]), tied),
              (scored, nan_step), (unscored, {}), (scored, {"train/skipped": 0.5})]
     guard = BadStepGuard(max_bad_steps=3, steps_to_run=10)
@@ -47,7 +48,7 @@ def test_a_run_that_trains_on_nothing_but_nan_never_ends_with_exit_0():
                            "(steps 4..6; trainer.max_bad_steps=3)")
     short = BadStepGuard(max_bad_steps=3, steps_to_run=2)  # e.g. resumed at step 5 of 7
     assert short.record(5, scored, nan_step) is None
-    assert "(steps 5..6, every step of this run; trainer.max_bad_steps=3)" in short.record(6, unscored, {})
+    assert "(steps 5..6, every step of this run; trainer.max_bad_steps=3)" in str(short.record(6, unscored, {}))
     short = BadStepGuard(max_bad_steps=3, steps_to_run=2)
     assert short.record(0, scored, trained) is None and short.record(1, scored, nan_step) is None
 

@@ -156,16 +156,18 @@ def test_worker_scores_chat_prompts_in_the_reward_models_template(rm_dir, tmp_pa
     import shutil
 
     from megatron_async.data import TokenizedPrompt
+    from megatron_async.data.problem import Problem
 
     path, tok, model = rm_dir
     chat_dir = shutil.copytree(path, tmp_path / "chat_rm")
     chat_tok = type(tok).from_pretrained(str(chat_dir))
     chat_tok.chat_template = CHATML
     chat_tok.save_pretrained(str(chat_dir))
-    prompts = [TokenizedPrompt(None, "policy text\n", [1], ({"role": "user", "content": q},))
-               for q in ("Ann has 3 apples.", "2+2?")]
+    questions = ("Ann has 3 apples.", "2+2?")
+    prompts = [TokenizedPrompt(Problem(id=q, question=q, solution=None, answer=None), "policy text\n", [1],
+                               ({"role": "user", "content": q},)) for q in questions]
     completions = ["3 #### 3", "4 because 2 + 2 = 4."]
-    rendered = [f"<s>user\n{p.messages[0]['content']}</s>\n<s>assistant\n{c}</s>\n" for p, c in zip(prompts, completions)]
+    rendered = [f"<s>user\n{q}</s>\n<s>assistant\n{c}</s>\n" for q, c in zip(questions, completions)]
     expected = []
     for text in rendered:
         ids = chat_tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]

@@ -56,7 +56,8 @@ def test_reference_without_a_number_is_bad_data_not_a_wrong_answer():
 @settings(max_examples=300, deadline=None)
 @given(st.text())
 def test_never_raises_on_arbitrary_completion(text):
-    assert extract_answer(text) is None or parse_number(extract_answer(text)) is not None
+    answer = extract_answer(text)
+    assert answer is None or parse_number(answer) is not None
     assert gsm8k_reward("q", text, "#### 42") in (0.0, 1.0)
 
 
@@ -81,13 +82,14 @@ FORMATS = [
 @given(st.integers(-10**15, 10**15), st.sampled_from(FORMATS), st.text(alphabet="abc xyz=+*\n", max_size=30))
 def test_formatted_integers_round_trip(n, fmt, prefix):
     answer = extract_answer(f"{prefix} 17 apples, so the total is {fmt(n)}")
-    assert parse_number(answer) == n
+    assert answer is not None and parse_number(answer) == n
 
 
 @settings(deadline=None)
 @given(st.decimals(allow_nan=False, allow_infinity=False, places=3, min_value=-10**6, max_value=10**6))
 def test_formatted_decimals_round_trip(d):
-    assert parse_number(extract_answer(f"#### {d:f}")) == d
+    answer = extract_answer(f"#### {d:f}")
+    assert answer is not None and parse_number(answer) == d
 
 
 @settings(deadline=None)
@@ -121,9 +123,8 @@ def test_scoring_records_errors_and_never_scores_them_zero():
     samples = [("q", c, "r") for c in ["fine", "boom", "nan", "none", "fine"]]
     report = score_samples(samples, score, timeout_s=5.0, max_workers=2)
     assert [s.reward for s in report.scores] == [1.0, None, None, None, 1.0]
-    assert "RuntimeError: scorer exploded" in report.scores[1].error
-    assert "non-finite" in report.scores[2].error
-    assert "NoneType" in report.scores[3].error
+    errors = [str(s.error) for s in report.scores]
+    assert "RuntimeError: scorer exploded" in errors[1] and "non-finite" in errors[2] and "NoneType" in errors[3]
     assert report.n_errors == 3 and report.n_timeouts == 0
     assert [s.index for s in report.kept()] == [0, 4]
 
@@ -160,14 +161,19 @@ def test_stop_policy_names_the_failed_sample():
 
 def test_unknown_policy_is_rejected_before_scoring():
     called = []
+
+    def score(*args) -> float:
+        called.append(args)
+        return 1.0
+
     with pytest.raises(ValueError, match="on_error"):
-        score_samples([("q", "c", "r")], lambda *a: called.append(a) or 1.0, on_error="zero")
+        score_samples([("q", "c", "r")], score, on_error="zero")
     assert called == []
 
 
 def test_reference_errors_surface_as_errors():
     report = score_samples([("q", "#### 1", "no number")], gsm8k_reward)
-    assert report.scores[0].reward is None and "no final number" in report.scores[0].error
+    assert report.scores[0].reward is None and "no final number" in str(report.scores[0].error)
 
 
 def test_only_ascii_digits_are_numbers():

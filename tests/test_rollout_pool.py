@@ -34,7 +34,9 @@ from megatron_async.rollout import PoolError, ReplicaPool, ReplicaSpec, Sampling
 from megatron_async.rollout.launcher import free_port
 from megatron_async.rollout.pool import GENERATE_ROUTE
 from megatron_async.rollout.replica import ReplicaClient, auth_headers, server_command, server_entry, server_env
-from tests.rollout_fixtures import LOGPROB_TOL, gone, max_logprob_diff, process_tree, resync, spec, sync, wait_for
+from tests.rollout_fixtures import (
+    LOGPROB_TOL, TrackedPool, gone, max_logprob_diff, process_tree, resync, spec, sync, wait_for,
+)
 
 PROMPTS = [[1, 5 + i, 6, 7 + 2 * i][: 2 + i % 3] for i in range(12)]
 STOP_IDS = tuple(range(100, 130))
@@ -96,7 +98,7 @@ def test_a_dropped_connection_to_a_replica_that_still_answers_is_only_requeued(t
     connection is closed without an answer while /health keeps answering. The prompt is sent
     again and the replica is neither marked down nor restarted (a restart costs 30-130 s here); the
     requeue is a warning of the pool's logger (the run log's format), not a print."""
-    dropped = []
+    dropped: list[int] = []
 
     class StandIn(BaseHTTPRequestHandler):
         def log_message(self, *args):
@@ -211,7 +213,7 @@ def test_a_503_from_a_paused_replica_is_retried_not_a_failure(tmp_path):
     """vLLM >= 0.33 answers 503 to new requests while paused. A replica that answers 503 but whose
     /health answers 200 keeps its place (max_failures=0: one failure would stop the pool); the
     prompt is sent again once the replica takes requests (after RETRY_AFTER_S)."""
-    refused = []
+    refused: list[int] = []
 
     def answer(method, path):
         if path == GENERATE_ROUTE and not refused:
@@ -261,7 +263,7 @@ def test_a_replica_back_from_a_failure_takes_only_a_resync_until_one_opened_on_i
     update leaves it out, `replicas_needing_weights` names it (though its version is current), a
     re-sync opens on it (weights/update.py has the senders forget it first), and from then on full
     updates include it again."""
-    down = []
+    down: list[int] = []
 
     def answer(method, path):
         if path == "/health" and down:
@@ -332,9 +334,10 @@ def models(tiny_models):
 
 @pytest.fixture(scope="module")
 def shared_pool(models, tmp_path_factory):
-    with ReplicaPool(spec(models[0], prefix_caching=False), 2, log_dir=tmp_path_factory.mktemp("logs"),
-                     request_timeout_s=120, start_timeout_s=300) as p:
-        p.held = models[0]  # the checkpoint of the pool's current version; a test that pushes other weights sets it
+    p = TrackedPool(spec(models[0], prefix_caching=False), 2, log_dir=tmp_path_factory.mktemp("logs"),
+                   request_timeout_s=120, start_timeout_s=300)
+    p.held = models[0]  # a test that pushes other weights sets it
+    with p:
         yield p
 
 
@@ -394,7 +397,8 @@ def test_every_route_needs_the_key(pool):
 def test_generate_returns_well_formed_records_and_seeds_are_per_completion(pool):
     version = pool.current_version
     before = pool.stats()["requests_per_replica"]
-    sampling = Sampling(n=2, max_tokens=12, temperature=1.0, stop_token_ids=STOP_IDS, seed=3)
+    seed = 3
+    sampling = Sampling(n=2, max_tokens=12, temperature=1.0, stop_token_ids=STOP_IDS, seed=seed)
     records = pool.generate(PROMPTS, sampling)
     assert_well_formed(records, PROMPTS, 2, 12, version)
     for r in records:
@@ -414,7 +418,7 @@ def test_generate_returns_well_formed_records_and_seeds_are_per_completion(pool)
     assert [r.token_ids for r in again] == [r.token_ids for r in records]
     # ... and prompt i, seeded seed + i * n, gives the same completions on either replica
     for i in (0, 5, 11):
-        body = {"token_ids": PROMPTS[i], "sampling_params": sampling.params(sampling.seed + i * sampling.n)}
+        body = {"token_ids": PROMPTS[i], "sampling_params": sampling.params(seed + i * sampling.n)}
         for url in pool.urls:
             choices = httpx.post(url + GENERATE_ROUTE, json=body, headers=auth_headers(pool.key), timeout=60,
                                  trust_env=False).json()["choices"]
@@ -457,7 +461,7 @@ def test_update_during_generation_gives_records_spanning_two_versions(pool, mode
     # NOTE sized so that generation outlasts the polling below on a quiet machine too (~2.7k tok/s
     # on this model: 64 x 4 x 240 tokens take tens of seconds; 16 x 2 x 200 ended within 2 s)
     prompts = [[1, 3 + i % 200, 4] for i in range(64)]
-    result = {}
+    result: dict[str, list] = {}  # the batch generate returned
     gen = threading.Thread(target=lambda: result.update(
         r=pool.generate(prompts, Sampling(n=4, max_tokens=240, ignore_eos=True, seed=0), timeout_s=300)))
     gen.start()
@@ -578,7 +582,9 @@ def test_replica_past_max_failures_stops_the_pool_and_stop_leaves_no_process(mod
     cpu = max(os.sched_getaffinity(0))
     with ReplicaPool(spec(models[0]), 1, log_dir=tmp_path, request_timeout_s=60, max_failures=0,
                      env=replica_pin_env(str(cpu))) as pool:
-        tree = process_tree(pool.pids()[0])
+        pid = pool.pids()[0]
+        assert pid is not None  # started by the pool
+        tree = process_tree(pid)
         assert {p.pid: p.cpu_affinity() for p in tree} == {p.pid: [cpu] for p in tree}
         assert len(pool.generate(PROMPTS[:2], Sampling(max_tokens=4, seed=0))) == 2
         engine = [p for p in tree if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
@@ -607,6 +613,7 @@ def test_servers_exit_when_the_pool_process_is_killed(models, tmp_path):
             time.sleep(600)
     """)
     owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    assert owner.stdout is not None  # stdout=PIPE
     try:
         line = owner.stdout.readline()
         assert line.strip().isdigit(), f"the pool's process printed {line!r} (exit code {owner.poll()})"

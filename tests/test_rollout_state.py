@@ -9,6 +9,7 @@ from megatron_async.data import PromptIterator, TokenizedPrompt
 from megatron_async.data.problem import Problem
 from megatron_async.rollout.pool import Completion
 from megatron_async.rollout.producer import RolloutBatch, RolloutProducer
+from megatron_async.observability.tracking import NullTracker
 from megatron_async.run.report import StepReport
 from megatron_async.run.rollout_state import RolloutState, build_controllers
 
@@ -26,11 +27,13 @@ def json_round_trip(state: dict) -> dict:
 def test_the_controllers_state_round_trips():
     cfg = load_config(None, AUTO)
     lag, balance = build_controllers(cfg)
+    assert lag is not None and balance is not None  # rollout.max_lag: auto, trainer.auto_balance: true
     assert lag.update(kl=0.0, learner_wait_s=1.0, step_s=2.0) and lag.lag == 2
     assert balance.update(learner_wait_s=1.0, replica_wait_s=0.0, step_s=2.0)  # T 1 -> 2
     assert balance.update(learner_wait_s=1.0, replica_wait_s=0.0, step_s=2.0)  # T 2 -> 3, its bound
     assert balance.update(learner_wait_s=0.0, replica_wait_s=1.0, step_s=2.0)  # K 2 -> 3
     resumed_lag, resumed_balance = build_controllers(cfg)
+    assert resumed_lag is not None and resumed_balance is not None
     assert (resumed_lag.lag, resumed_balance.updates, resumed_balance.k) == (1, 1, 2)  # the config's start
     resumed_lag.load_state_dict(json_round_trip(lag.state_dict()))
     resumed_balance.load_state_dict(json_round_trip(balance.state_dict()))
@@ -53,7 +56,8 @@ def rollout_state(cfg) -> RolloutState:
     """RolloutState.build without replicas or a scorer (neither holds resume state)."""
     prompts = PromptIterator(PROMPTS, seed=cfg.run.seed)
     adaptive_lag, balance = build_controllers(cfg)
-    return RolloutState(cfg, tokenizer=None, prompts=prompts, eval_prompts=[], scorer=None, pool=None,
+    return RolloutState(cfg, tokenizer=None, prompts=prompts, eval_prompts=[],
+                        scorer=None, pool=None,  # type: ignore[arg-type]  # deliberately none: no resume state
                         data_state=prompts.state_dict(), adaptive_lag=adaptive_lag, balance=balance)
 
 
@@ -62,14 +66,15 @@ def test_a_resumed_rollout_state_has_the_buffer_the_prompt_position_and_the_cont
     run = rollout_state(cfg)
     trained = batch(0, run.prompts.take(2), 2, run.prompts.state_dict())
     buffered = batch(1, run.prompts.take(2), 2, run.prompts.state_dict())
-    run.producer = RolloutProducer(make_batch=None, max_lag=1, last_batch=cfg.trainer.steps - 1, first_batch=1,
-                                   ready=[buffered])  # as after step 0: batch 1 generated, not started here
+    run.producer = RolloutProducer(make_batch=None,  # type: ignore[arg-type]  # never called: nothing generated
+                                   max_lag=1, last_batch=cfg.trainer.steps - 1, first_batch=1, ready=[buffered])  # as after step 0: batch 1 generated, not started here
     run.after_step(0, trained, dict(WAITED))  # the learner waited: the lag and T rise
     assert (run.producer.max_lag, run.updates_per_batch(), run.k()) == (2, 2, 2)
     in_flight = run.prompts.take(2)  # batch 2 was being generated at the checkpoint: not saved
     state = json_round_trip(run.state_dict())
 
     resumed = rollout_state(cfg)
+    assert resumed.adaptive_lag is not None
     assert (resumed.adaptive_lag.lag, resumed.updates_per_batch()) == (1, 1)
     resumed.load_state_dict(state)
     assert resumed.resumed_buffer == [buffered]
@@ -80,22 +85,25 @@ def test_a_resumed_rollout_state_has_the_buffer_the_prompt_position_and_the_cont
 def test_a_controller_the_resumed_config_turns_off_stays_off_and_one_it_turns_on_starts_fresh():
     cfg = load_config(None, AUTO)
     run = rollout_state(cfg)
-    run.producer = RolloutProducer(make_batch=None, max_lag=1, last_batch=cfg.trainer.steps - 1)
+    run.producer = RolloutProducer(make_batch=None,  # type: ignore[arg-type]  # never called: nothing generated
+                                   max_lag=1, last_batch=cfg.trainer.steps - 1)
     run.after_step(0, batch(0, run.prompts.take(2), 2, run.prompts.state_dict()), dict(WAITED))
     fixed = rollout_state(load_config(None, ["rollout.max_lag=1", "rollout.k=2", "rollout.prompts_per_step=2"]))
     fixed.load_state_dict(json_round_trip(run.state_dict()))
     assert (fixed.adaptive_lag, fixed.balance, fixed.updates_per_batch()) == (None, None, 1)
 
     run_fixed = rollout_state(load_config(None, ["rollout.max_lag=1", "rollout.k=2", "rollout.prompts_per_step=2"]))
-    run_fixed.producer = RolloutProducer(make_batch=None, max_lag=1, last_batch=cfg.trainer.steps - 1)
+    run_fixed.producer = RolloutProducer(make_batch=None,  # type: ignore[arg-type]  # never called: nothing generated
+                                         max_lag=1, last_batch=cfg.trainer.steps - 1)
     auto = rollout_state(cfg)
     auto.load_state_dict(json_round_trip(run_fixed.state_dict()))
+    assert auto.adaptive_lag is not None
     assert (auto.adaptive_lag.lag, auto.updates_per_batch(), auto.k()) == (1, 1, 2)
 
 
 def test_the_step_report_history_round_trips(tmp_path):
     cfg = load_config(None, [f"run.out_dir={tmp_path}"])
-    report = StepReport(cfg, tracker=None, history=[{"step": 0, "reward/mean": 0.5}])
-    resumed = StepReport(cfg, tracker=None)
+    report = StepReport(cfg, tracker=NullTracker(), history=[{"step": 0, "reward/mean": 0.5}])
+    resumed = StepReport(cfg, tracker=NullTracker())
     resumed.load_state_dict(json_round_trip(report.state_dict()))
     assert resumed.history == report.history

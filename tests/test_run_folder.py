@@ -11,6 +11,7 @@ starts it (a shell execs it) and counts its wall time from the command's start
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -155,37 +157,47 @@ def refused_line(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def start(cmd: list[str], log_path: Path) -> subprocess.Popen:
-    """`cmd` (a `megatron-async train`) as e2e_utils.train runs it, in its own session, without waiting."""
+@contextlib.contextmanager
+def session(cmd: list[str], log_path: Path) -> Iterator[subprocess.Popen]:
+    """`cmd` (a `megatron-async train`) as e2e_utils.train runs it, in its own session, without
+    waiting; its process group is SIGKILLed on leaving the block (no code of it runs then)."""
     with open(log_path, "w") as log:  # the child writes it through its own descriptor
-        return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def stop_session(proc: subprocess.Popen) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=60)
+        yield proc
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=60)
+
+
+@pytest.fixture
+def data(tmp_path) -> list[str]:
+    """The overrides of e2e_utils' coin-flip data set, written under tmp_path."""
+    return coin_flip_data(tmp_path)
+
+
+@contextlib.contextmanager
+def run_holding_its_folder(tmp_path: Path, data: list[str], log_name: str) -> Iterator[tuple[subprocess.Popen, dict]]:
+    """A cpu_tiny `train` in a `session`, once it holds its run folder: (its process, the lock's holder)."""
+    with session(train_command(tmp_path, *data, *RUN), tmp_path / log_name) as proc:
+        yield proc, wait_for_lock(tmp_path / "cpu_tiny", proc)
 
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_a_second_launch_is_refused_and_the_first_finishes_intact_and_a_rerun_needs_resume(tmp_path):
-    data = coin_flip_data(tmp_path)
+def test_a_second_launch_is_refused_and_the_first_finishes_intact_and_a_rerun_needs_resume(tmp_path, data):
     run_dir = tmp_path / "cpu_tiny"
-    first = start(train_command(tmp_path, *data, *RUN), tmp_path / "first.log")
-    try:
-        holder = wait_for_lock(run_dir, first)
+    with run_holding_its_folder(tmp_path, data, "first.log") as (first, holder):
         assert holder["pid"] == first.pid and holder["host"] == socket.gethostname()
         second = train(tmp_path, *data, *RUN, check=False)
         assert re.fullmatch(rf"megatron-async: config error: key 'run.name' = 'cpu_tiny': run folder {run_dir} is in use "
                             rf"by another run \(pid {first.pid} on {re.escape(socket.gethostname())}, started .*\); wait "
                             r"for it to finish or stop it, or choose another run.name", refused_line(second))
         assert first.wait(timeout=900) == 0, (tmp_path / "first.log").read_text()[-4000:]
-    finally:
-        stop_session(first)
     assert_trained(run_dir, STEPS)
     latest = latest_checkpoint(load_config(str(REPO / "configs" / "cpu_tiny.yaml"), [f"run.out_dir={tmp_path}"]))
     assert latest is not None and latest.name == f"step_{STEPS:06d}" and checkpoint_problem(latest) is None
@@ -202,23 +214,16 @@ def test_a_second_launch_is_refused_and_the_first_finishes_intact_and_a_rerun_ne
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_a_lock_left_by_a_sigkilled_run_is_taken_over_with_one_line(tmp_path):
-    data = coin_flip_data(tmp_path)
+def test_a_lock_left_by_a_sigkilled_run_is_taken_over_with_one_line(tmp_path, data):
+    with run_holding_its_folder(tmp_path, data, "killed.log") as (_, holder):
+        pass  # then SIGKILLed: no code of it runs, the lock stays
     run_dir = tmp_path / "cpu_tiny"
-    killed = start(train_command(tmp_path, *data, *RUN), tmp_path / "killed.log")
-    try:
-        holder = wait_for_lock(run_dir, killed)
-    finally:
-        stop_session(killed)  # SIGKILL: no code of it runs, the lock stays
     assert json.loads((run_dir / LOCK_FILE).read_text()) == holder
     # started as launch/quickstart.sh starts it: a shell that works first (there: the install), then execs it
     cmd = ["bash", "-c", f'sleep {SHELL_S}; exec "$@"', "bash", *train_command(tmp_path, *data, *RUN, "trainer.steps=1")]
     t0 = time.monotonic()
-    proc = start(cmd, tmp_path / "again.log")
-    try:
+    with session(cmd, tmp_path / "again.log") as proc:
         assert proc.wait(timeout=900) == 0, (tmp_path / "again.log").read_text()[-4000:]
-    finally:
-        stop_session(proc)
     elapsed, out = time.monotonic() - t0, (tmp_path / "again.log").read_text()
     taken = [line for line in out.splitlines() if "taking over the lock" in line]
     assert len(taken) == 1 and taken[0].endswith(f"run folder {run_dir}: taking over the lock of a run that is gone "

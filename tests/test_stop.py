@@ -121,7 +121,7 @@ def test_a_signal_mid_step_finishes_the_step_with_its_push_then_checkpoints_at_t
     trainer.stop, _, _ = signals()
     stop_during_step(trainer, 1)
     stopped = trainer.train()
-    assert stopped == Stopped("SIGTERM", 2, "ckpt2")
+    assert stopped == Stopped("SIGTERM", 2, Path("ckpt2"))
     assert no_files == [2]
     assert ("push", 2, None) in events.log and ("notify_synced", 2) in events.log  # step 1 whole
     assert ("train", 2) not in events.log
@@ -131,7 +131,7 @@ def test_a_boundary_with_a_periodic_checkpoint_is_not_saved_twice(tmp_path, one_
     trainer, _ = make_trainer(tmp_path, one_rank_group, "trainer.steps=5", "trainer.checkpoint_every=2")
     trainer.stop, _, _ = signals()
     stop_during_step(trainer, 1)
-    assert trainer.train() == Stopped("SIGTERM", 2, "ckpt2")
+    assert trainer.train() == Stopped("SIGTERM", 2, Path("ckpt2"))
     assert no_files == [2]
 
 
@@ -144,7 +144,7 @@ def test_a_push_that_fails_while_stopping_still_ends_in_the_checkpoint(tmp_path,
         raise WeightSyncError("every replica was dropped")
 
     trainer.weights.push = replicas_gone
-    assert trainer.train() == Stopped("SIGTERM", 1, "ckpt1")
+    assert trainer.train() == Stopped("SIGTERM", 1, Path("ckpt1"))
     assert no_files == [1]
 
 
@@ -159,7 +159,7 @@ def test_with_no_replica_up_after_the_signal_the_step_stops_waiting_for_its_old_
     done = producer.old_weights_done
     producer.old_weights_done = lambda step: step < 1 and done(step)  # step 1's never
     producer.wait = lambda timeout: setattr(pool, "replicas_up", False)  # they end while the loop waits
-    assert trainer.train() == Stopped("SIGTERM", 2, "ckpt2")
+    assert trainer.train() == Stopped("SIGTERM", 2, Path("ckpt2"))
     assert no_files == [2]
     assert ("push", 1, None) in events.log and ("push", 2, None) not in events.log
     assert ("train", 2) not in events.log
@@ -188,7 +188,7 @@ def test_a_signal_while_rank0_waits_for_the_next_batch_stops_without_waiting_for
         trainer.stop.handle(signal.SIGTERM)
 
     producer.wait = wait
-    assert trainer.train() == Stopped("SIGTERM", 2, "ckpt2")
+    assert trainer.train() == Stopped("SIGTERM", 2, Path("ckpt2"))
     assert ("take", 2) not in events.log
 
 
@@ -219,7 +219,7 @@ def test_a_stop_at_once_unlinks_this_process_segments():
     segment = shm.ShmSegment(4096)
     segment.buffer(16)
     path = segment.path
-    assert os.path.exists(path)
+    assert path is not None and os.path.exists(path)
     assert shm.unlink_live_segments() >= 1
     assert not os.path.exists(path)
     segment.close()  # the finalizer finds nothing left to unlink

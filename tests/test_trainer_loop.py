@@ -10,7 +10,9 @@ part fails.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
+from typing import cast
 
 import pytest
 
@@ -18,8 +20,11 @@ from megatron_async.config import load_config
 from megatron_async.observability.tracking import NullTracker
 from megatron_async.rollout.producer import RolloutBatch
 from megatron_async.run import trainer as trainer_mod
+from megatron_async.run.learner_state import LearnerState
+from megatron_async.run.report import StepReport
+from megatron_async.run.rollout_state import RolloutState
 from megatron_async.run.trainer import Trainer
-from megatron_async.weights.update import PushResult
+from megatron_async.weights.update import PushResult, WeightUpdate
 from tests.batches import scored_batch
 
 
@@ -86,7 +91,7 @@ class FakePool:
 class FakeRollout:
     def __init__(self, events: Events, producer: FakeProducer, pool: FakePool):
         self.events, self.producer, self.pool = events, producer, pool
-        self.eval_prompts = []
+        self.eval_prompts: list = []
         self.closed = False
 
     def start_producer(self, first_batch):
@@ -154,7 +159,7 @@ def no_files(monkeypatch):
 
         def save(self, next_step, rollout=None, report=None):
             saved.append(next_step)
-            return f"ckpt{next_step}"
+            return Path(f"ckpt{next_step}")
 
         def poll(self):
             pass
@@ -171,8 +176,10 @@ def make_trainer(tmp_path, ctrl, *overrides, stale_once=(), skipped=False, bad_r
     events = Events()
     producer = FakeProducer(events, bad_rewards=bad_rewards, first_wait=bool(stale_once))
     rollout = FakeRollout(events, producer, FakePool(stale_once))
-    trainer = Trainer(config(tmp_path, *overrides), ctrl, FakeLearner(events, skipped), rollout, NullTracker(),
-                      tmp_path, FakeWeights(events), report=FakeReport())
+    # the fakes stand in for the records Trainer takes: it calls only what they have
+    trainer = Trainer(config(tmp_path, *overrides), ctrl, cast(LearnerState, FakeLearner(events, skipped)),
+                      cast(RolloutState, rollout), NullTracker(), tmp_path, cast(WeightUpdate, FakeWeights(events)),
+                      report=cast(StepReport, FakeReport()))
     return trainer, events
 
 
@@ -180,7 +187,7 @@ def test_each_step_takes_trains_waits_for_the_old_weights_pushes_then_notifies(t
     trainer, events = make_trainer(tmp_path, one_rank_group)
     trainer.train()
     loop = [e for e in events.log if e[0] != "evaluate"]
-    expected = [("start_producer", 0)]
+    expected: list[tuple] = [("start_producer", 0)]
     for s in range(3):
         expected += [("take", s), ("train", s), ("old_weights_done", s), ("push", s + 1, None), ("notify_synced", s + 1)]
     assert loop == expected

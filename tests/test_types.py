@@ -1,4 +1,4 @@
-"""The type check's contract (mypy.ini; CI runs `mypy megatron_async` before the tests, .ci/run):
+"""The type check's contract (mypy.ini; CI runs `mypy megatron_async tests` before them, .ci/run):
 mypy refuses what the typed seams forbid, and accepts their intended use. In-process (`mypy.api`),
 on snippets that import only the two typed modules (everything else is skipped), so it takes a second."""
 from __future__ import annotations
@@ -42,13 +42,17 @@ class NotATracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
 
 t: Tracker = NotATracker()
+
+def test_unannotated():  # a pytest test: its body is checked too (check_untyped_defs)
+    tracker: Tracker = NotATracker()
 """)
     assert status == 1, out
     assert 'ReadOnly TypedDict key "advantages" TypedDict is mutated' in out
     assert 'TypedDict "Microbatch" has no key "real_row"' in out
     assert 'Argument 2 to "attach" has incompatible type' in out
-    assert 'Incompatible types in assignment (expression has type "NotATracker", variable has type "Tracker")' in out
-    assert "Found 4 errors" in out, out
+    not_a_tracker = 'Incompatible types in assignment (expression has type "NotATracker", variable has type "Tracker")'
+    assert out.count(not_a_tracker) == 2, out
+    assert "Found 5 errors" in out, out
 
 
 def test_mypy_accepts_the_seams_used_as_intended(tmp_path):
@@ -63,6 +67,6 @@ def trackers(mlflow: MlflowTracker) -> list[Tracker]:
     assert status == 0, out
 
 
-def test_ci_type_checks_the_package_before_the_tests():
+def test_ci_type_checks_the_package_and_the_tests_before_the_tests():
     ci = (REPO / ".ci" / "run").read_text()
-    assert "-m mypy megatron_async" in ci and ci.index("-m mypy megatron_async") < ci.index("launch/test.sh")
+    assert "-m mypy megatron_async tests" in ci and ci.index("-m mypy megatron_async tests") < ci.index("launch/test.sh")

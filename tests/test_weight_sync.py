@@ -31,8 +31,8 @@ from megatron_async.weights.host_memory import (
 )
 from megatron_async.weights.update import WeightUpdate, group_by_cap
 from tests.rollout_fixtures import (
-    LOGPROB_TOL, SMALL_BUCKET, build_variants, max_logprob_diff, perturbed, resync, sparsely_changed, spec, state_dict,
-    sync,
+    LOGPROB_TOL, SMALL_BUCKET, TrackedPool, build_variants, max_logprob_diff, perturbed, resync, sparsely_changed, spec,
+    state_dict, sync,
 )
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 40, 41, 42, 43], [1, 100], [1, 7, 7, 7, 7, 7], [1, 200, 3], [1, 12], [1, 60, 61]]
@@ -112,6 +112,7 @@ def test_shm_segment_is_private_reused_grown_and_removed():
     seg = ShmSegment(initial_bytes=64)
     bucket = pack_bucket(0, [("w", torch.arange(8.0))], seg.buffer)
     path = seg.path
+    assert path is not None
     assert os.stat(path).st_mode & 0o777 == 0o600  # owner only
     assert torch.equal(unpack_bucket(memoryview(open_segment(path))[: len(bucket.payload)], bucket.checksum)["w"], torch.arange(8.0))
     pack_bucket(1, [("w", torch.ones(4))], seg.buffer)
@@ -156,9 +157,10 @@ def models(tiny_models):
 
 @pytest.fixture(scope="module")
 def shared_pool(models, tmp_path_factory):
-    with ReplicaPool(spec(models[0]), 2, log_dir=tmp_path_factory.mktemp("logs"), request_timeout_s=120,
-                     start_timeout_s=300) as p:
-        p.held = models[0]  # the checkpoint of the pool's current version, set by every completed sync
+    p = TrackedPool(spec(models[0]), 2, log_dir=tmp_path_factory.mktemp("logs"), request_timeout_s=120,
+                   start_timeout_s=300)
+    p.held = models[0]
+    with p:
         yield p
 
 

@@ -9,9 +9,12 @@ re-sync makes the sender forget the re-synced replicas first; the tensors are al
 """
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 import torch
 
+from megatron_async.rollout import ReplicaPool
 from megatron_async.weights.delta import STRIDE, WHOLE_TENSOR, DeltaEncoder
 from megatron_async.weights.update import PushResult, WeightSyncError, WeightUpdate
 
@@ -42,6 +45,11 @@ class FakePool:
         return [i for i in replica_ids if i in self._up]
 
 
+def as_pool(fake: FakePool) -> ReplicaPool:
+    """The fake where WeightUpdate takes a ReplicaPool (it calls only the update phases the fake has)."""
+    return cast(ReplicaPool, fake)
+
+
 class FakeSender:
     """A WeightSender that fails the replicas in `fails` (url -> why), or raises `refuse`."""
 
@@ -52,7 +60,8 @@ class FakeSender:
         self.drained = 0
         self.dtypes: list[torch.dtype] = []
 
-    def push(self, named_tensors, urls, keep=False):
+    def push(self, named_tensors, urls=None, keep=False):
+        assert urls is not None  # WeightUpdate names the replicas of each push
         self.pushed.append(list(urls))
         if self.refuse:
             next(iter(named_tensors))  # a refusal comes after the first bucket started
@@ -175,7 +184,7 @@ def test_the_changed_fraction_is_of_the_replicas_dtype_and_sampled_in_large_tens
 
 def test_rank0s_result_carries_the_changed_fraction_from_the_second_push_on(ctrl):
     pool, sender = FakePool(), FakeSender()
-    weights = WeightUpdate(ctrl, URLS, "between_batches", timeout_s=5.0, stage=0, pool=pool, sender=sender,
+    weights = WeightUpdate(ctrl, URLS, "between_batches", timeout_s=5.0, stage=0, pool=as_pool(pool), sender=sender,
                            encoder=DeltaEncoder(keep_whole=False))
     assert weights.push(1, tensors()).changed_fraction is None
     changed = iter([("w0", torch.ones(2)), ("w1", torch.zeros(2)), ("w2", torch.zeros(2))])

@@ -62,18 +62,19 @@ CLAIMS = (
     Claim("CUDA initialised before a fork (what vLLM would choose)", phase="fork_probe"),
     Claim("vLLM generation on the GPU", phase="vllm"),
     Claim("the Transformer Engine layer spec", phase="te"),
-    Claim("the GPU perf settings at auto (sequence_parallel, overlap_grad_reduce, overlap_param_gather, fusions)",
-          beyond="one GPU runs TP=1 x DP=1: sequence parallelism needs TP > 1, the overlaps DP > 1, the fusions TE"),
-    Claim("pipeline parallelism on GPU, token-budget shapes exchanged between stages (variable_seq_lengths)",
-          beyond="PP > 1 needs two GPUs or more; this check has one"),
-    Claim("per-stage NCCL weight-sync groups (a PP > 1 learner's senders into GPU replicas)",
-          beyond="needs vLLM (not installed here) and GPUs for two stages and a replica; the groups run in CI over gloo"),
-    Claim("SIGTERM / SIGUSR1 under torchrun: every rank saves at one step boundary, exit 75",
-          beyond="no phase runs a training job (it needs vLLM replicas); CI stops one-rank CPU runs (tests/test_stop_e2e.py)"),
-    Claim("the torch + vLLM + TE stack that `EXTRAS=gpu bash launch/install.sh` builds",
-          beyond="the lent machine is offline with its own preinstalled torch; the check installs only megatron-core from .whl/"),
-    Claim("multi-node launch (launch/multi_node.sh, the SLURM scripts, NCCL over the job network)",
-          beyond="one machine, no SLURM"),
+    *(Claim(claim, beyond=why) for claim, why in {
+        "the GPU perf settings at auto (sequence_parallel, overlap_grad_reduce, overlap_param_gather, fusions)":
+            "one GPU runs TP=1 x DP=1: sequence parallelism needs TP > 1, the overlaps DP > 1, the fusions TE",
+        "pipeline parallelism on GPU, token-budget shapes exchanged between stages (variable_seq_lengths)":
+            "PP > 1 needs two GPUs or more; this check has one",
+        "per-stage NCCL weight-sync groups (a PP > 1 learner's senders into GPU replicas)":
+            "needs vLLM (not installed here) and GPUs for two stages and a replica; the groups run in CI over gloo",
+        "SIGTERM / SIGUSR1 under torchrun: every rank saves at one step boundary, exit 75":
+            "no phase runs a training job (it needs vLLM replicas); CI stops one-rank CPU runs (tests/test_stop_e2e.py)",
+        "the torch + vLLM + TE stack that `EXTRAS=gpu bash launch/install.sh` builds":
+            "the lent machine is offline with its own preinstalled torch; the check installs only megatron-core from .whl/",
+        "multi-node launch (launch/multi_node.sh, the SLURM scripts, NCCL over the job network)": "one machine, no SLURM",
+    }.items()),
 )
 EXERCISED, NOT_EXERCISABLE, NOT_REACHED = "exercised here", "not exercisable on this machine", "not reached"
 

@@ -47,7 +47,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.managers import SyncManager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -140,9 +140,12 @@ def _layout() -> dict:
             "dp": ps.get_data_parallel_world_size()}
 
 
-def rank0_then_share(fn):
+T = TypeVar("T")
+
+
+def rank0_then_share(fn: Callable[[], T]) -> T:
     """Run fn on rank 0, give its result (or its exception, re-raised) to every rank."""
-    box = [None]
+    box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
             box = [("ok", fn())]

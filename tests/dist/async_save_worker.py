@@ -20,6 +20,7 @@ import os
 import signal
 from pathlib import Path
 from types import SimpleNamespace
+from typing import cast
 
 import torch
 
@@ -53,19 +54,17 @@ if __name__ == "__main__":
     import torch.distributed as dist
 
     from megatron_async.config import load_config
-    from megatron_async.learner.mapping import load_hf_weights
-    from megatron_async.learner.model import build_model
-    from megatron_async.learner.optimizer import OptimSettings, build_optimizer
+    from megatron_async.learner.optimizer import OptimSettings
     from megatron_async.learner.parallel import destroy_parallel, init_parallel
     from megatron_async.run.checkpoint import RunCheckpoints, latest_checkpoint, load_run_checkpoint
-    from megatron_async.run.learner_state import Trainable
+    from megatron_async.run.learner_state import LearnerState, Trainable
+    from tests.dist._learner import tiny_learner
 
     init_parallel(1, 1)
     try:
-        model = build_model(a.hf)
-        load_hf_weights(model, a.hf)
-        learner = SimpleNamespace(value=None, policy=Trainable(*build_optimizer(model, OptimSettings(lr=1e-2))),
-                                  version=1)
+        # what a run checkpoint reads of a learner: its policy, value model and version
+        policy = Trainable(*tiny_learner(a.hf, OptimSettings(lr=1e-2)))
+        learner = cast(LearnerState, SimpleNamespace(value=None, policy=policy, version=1))
         cfg = load_config(None, [f"run.out_dir={a.out}"])
         ctrl = dist.new_group(backend="gloo")
         rank0 = dist.get_rank() == 0
@@ -79,6 +78,7 @@ if __name__ == "__main__":
             changed = not same(weights(learner), at_save)
             checkpoints.wait()
             latest_after = latest_checkpoint(cfg)
+            assert latest_after is not None
             load_run_checkpoint(cfg, learner, path)
             manifest = json.loads((path / "manifest.json").read_text())
             shard_bytes = [sum(size for name, size in manifest["sizes"].items() if name.startswith(f"dist/__{r}_"))
@@ -100,6 +100,7 @@ if __name__ == "__main__":
             os.kill(os.getpid(), signal.SIGKILL)
         else:
             latest = latest_checkpoint(cfg)
+            assert latest is not None, a.out
             load_run_checkpoint(cfg, learner, latest)
             (a.out / "loaded.json").write_text(json.dumps({
                 "latest": latest.name, "weights_as_saved": same(weights(learner), torch.load(a.out / "saved.pt"))}))

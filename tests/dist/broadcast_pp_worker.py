@@ -35,6 +35,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,13 +66,14 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(1)
     from megatron_async.config import load_config
-    from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
-    from megatron_async.learner.model import build_model
-    from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
+    from megatron_async.learner.mapping import iter_hf_weights
+    from megatron_async.learner.optimizer import OptimSettings, train_step
     from megatron_async.learner.parallel import destroy_parallel, from_rank0, init_parallel
     from megatron_async.rollout import ReplicaPool
+    from megatron_async.weights.broadcast import BroadcastSender
     from megatron_async.weights.build import build_weight_update
     from megatron_async.weights.update import WeightSyncError
+    from tests.dist._learner import tiny_learner
     from tests.rollout_fixtures import KillingWire, max_logprob_diff, spec, wait_for
 
     layout = init_parallel(a.tp, a.pp)
@@ -84,17 +86,17 @@ def main():
             pool = ReplicaPool(spec(a.base, weight_backend="mas_gloo"), 1, log_dir=a.out / "logs",
                                request_timeout_s=120, start_timeout_s=300).start()
         urls, key = from_rank0((pool.urls, pool.key) if pool is not None else None, ctrl)
-        model = build_model(a.model)
-        load_hf_weights(model, a.model)
-        ddp, opt, sched = build_optimizer(model, OptimSettings(lr=1e-2, clip_grad=1.0))
+        ddp, opt, sched = tiny_learner(a.model, OptimSettings(lr=1e-2, clip_grad=1.0))
         weights = build_weight_update(cfg, layout, ctrl, pool, urls, key)
-        last_sender = layout.is_last_stage and weights.sender is not None
-        if weights.sender is not None:
-            weights.sender.bucket_bytes = BUCKET_BYTES
-        if last_sender:
-            weights.sender.wire = killing = KillingWire(weights.sender.wire)
+        sender = weights.sender
+        assert sender is None or isinstance(sender, BroadcastSender), sender  # rollout.weight_transport=gloo
+        last_sender = layout.is_last_stage and sender is not None
+        if sender is not None:
+            sender.bucket_bytes = BUCKET_BYTES
+            if last_sender:
+                sender.wire = killing = KillingWire(sender.wire)
         count = sum(1 for _ in iter_hf_weights(ddp))  # the stream's length on this stage's sender
-        vocab = model.arch.vocab_size
+        vocab = ddp.arch.vocab_size
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(3, vocab, (4, PROMPT_LEN), generator=g).tolist()
         pushes, rounds = [], []
@@ -111,7 +113,7 @@ def main():
             seconds = time.monotonic() - t0
             sent = None if weights.sender is None or result is None else \
                 {"stage": layout.pp_rank, "buckets": result.buckets, "failed": sorted(result.failed)}
-            senders = [None] * dist.get_world_size()
+            senders: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(senders, sent, group=ctrl)
             if layout.rank == 0:  # one line per push: where the time went, in a failing run's tail too
                 print(f"{time.strftime('%H:%M:%S')} push {rnd} v{version} to {replica_ids or 'all'}: {seconds:.1f} s, "
@@ -124,13 +126,13 @@ def main():
         def restarted(pid: int) -> None:
             """Rank 0: wait until the pool restarted the replica `pid` was and it needs weights (the
             pool's health check, which `replicas_needing_weights` runs, finds a replica dead)."""
-            if pool is not None:
-                wait_for(lambda: pool.replicas_needing_weights(wait_s=0) and pool.pids()[0] not in (None, pid),
+            if (live := pool) is not None:
+                wait_for(lambda: live.replicas_needing_weights(wait_s=0) and live.pids()[0] not in (None, pid),
                          timeout_s=300, what="the killed replica restarted", every_s=0.5)
 
         def sample(rnd: str, version: int) -> None:
             sampled = sample_and_compare(ddp, pool, prompts, seed=version)
-            if layout.rank == 0:
+            if pool is not None:  # rank 0
                 rounds.append({"round": rnd, "version": version, "record_versions": sampled.versions,
                                "learner_diff": sampled.learner_diff,
                                "hf_diff": max_logprob_diff(a.model, sampled.records) if rnd == "full" else None,
@@ -145,7 +147,7 @@ def main():
         sample("stepped", 2)
 
         push("raising", 3, bad=True)
-        if layout.rank == 0:  # left out of dispatch until it is synced again
+        if pool is not None:  # rank 0: left out of dispatch until it is synced again
             pushes[-1]["needing_weights"] = [r.replica_id for r in pool.replicas_needing_weights(wait_s=0)]
         push("raising", 3, [0])
         sample("raising", 3)

@@ -21,17 +21,14 @@ import torch
 from learner_worker import batches, nll  # tests/dist is on sys.path as the script's directory
 
 OTHER_DTYPE = {torch.float32: torch.bfloat16, torch.bfloat16: torch.float32}
-SETTINGS = dict(lr=1e-3, min_lr=1e-4, warmup_steps=2, decay_steps=10, decay_style="cosine", adam_eps=1e-6)
 
 
 def setup(hf_dir, dtype):
-    from megatron_async.learner.model import build_model
-    from megatron_async.learner.optimizer import OptimSettings, build_optimizer
-    from megatron_async.learner.mapping import load_hf_weights
+    from megatron_async.learner.optimizer import OptimSettings
+    from tests.dist._learner import tiny_learner
 
-    model = build_model(hf_dir, dtype=dtype)
-    load_hf_weights(model, hf_dir)
-    return build_optimizer(model, OptimSettings(**SETTINGS))
+    return tiny_learner(hf_dir, OptimSettings(lr=1e-3, min_lr=1e-4, warmup_steps=2, decay_steps=10,
+                                              decay_style="cosine", adam_eps=1e-6), dtype)
 
 
 def main_weights(ddp) -> dict:

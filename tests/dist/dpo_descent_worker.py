@@ -12,14 +12,14 @@ import sys
 import torch
 
 if __name__ == "__main__":
+    from megatron_async.algorithms.base import attach
     from megatron_async.algorithms.batching import Sample
     from megatron_async.algorithms.online_dpo import OnlineDPO
     from megatron_async.config import TrainerConfig
     from megatron_async.learner.schedule import compute_logprobs
-    from megatron_async.learner.model import build_model
-    from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
+    from megatron_async.learner.optimizer import OptimSettings, train_step
     from megatron_async.learner.parallel import init_parallel
-    from megatron_async.learner.mapping import load_hf_weights
+    from tests.dist._learner import loaded_model, tiny_learner
 
     model_dir, out = sys.argv[1], sys.argv[2]
     init_parallel(1, 1, seed=0)
@@ -34,12 +34,8 @@ if __name__ == "__main__":
     dpo = OnlineDPO(TrainerConfig(beta=0.1))
     rows, _ = dpo.select(samples, 2)
     mbs = dpo.microbatches(rows, pad_id=0, micro_batch_size=6)
-    policy, reference = build_model(model_dir), build_model(model_dir)
-    load_hf_weights(policy, model_dir)
-    load_hf_weights(reference, model_dir)
-    for mb, ref in zip(mbs, compute_logprobs(reference, mbs)):
-        mb["ref_logprobs"] = ref
-    ddp, opt, sched = build_optimizer(policy, OptimSettings(lr=1e-3, clip_grad=1.0))
+    attach(mbs, "ref_logprobs", compute_logprobs(loaded_model(model_dir), mbs))
+    ddp, opt, sched = tiny_learner(model_dir, OptimSettings(lr=1e-3, clip_grad=1.0))
     history = [train_step(ddp, opt, sched, mbs, dpo.loss) for _ in range(6)]
     with open(out, "w") as f:
         json.dump(history, f)

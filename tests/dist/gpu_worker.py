@@ -51,17 +51,17 @@ def logits_of(model, ids):
 def parity(src: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
-    from megatron_async.learner.model import build_model
+    from megatron_async.learner.mapping import iter_hf_weights
+    from tests.dist._learner import loaded_model
 
-    out = {"tf32": tf32_off()}
+    out: dict[str, object] = {"tf32": tf32_off()}
     ids = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).to(DEVICE).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    hf = hf.to(DEVICE).eval()  # type: ignore[arg-type]  # transformers types its decorated .to() without self
     with torch.no_grad():
         ref = hf(ids).logits
         for dtype in (torch.float32, torch.bfloat16):
-            model = build_model(src, dtype=dtype)
-            load_hf_weights(model, src)
+            model = loaded_model(src, dtype)
             key = str(dtype).removeprefix("torch.")
             out[f"{key}_max_diff"] = (logits_of(model, ids) - ref).abs().max().item()
             out[f"{key}_qkv_module"] = type(model.chunks[0].decoder.layers[0].self_attention.linear_qkv).__name__
@@ -76,12 +76,10 @@ def _optimizer_name(opt) -> str:
 
 
 def train(src: Path) -> dict:
-    from megatron_async.learner.mapping import load_hf_weights
-    from megatron_async.learner.model import build_model
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
+    from tests.dist._learner import loaded_model
 
-    model = build_model(src)  # bf16 on GPU
-    load_hf_weights(model, src)
+    model = loaded_model(src)  # bf16 on GPU
     ddp, opt, sched = build_optimizer(model, OptimSettings(lr=1e-3))
     mbs = batches(320)
     steps = [train_step(ddp, opt, sched, mbs, nll) for _ in range(4)]
@@ -94,16 +92,14 @@ def checkpoint(src: Path, work: Path) -> dict:
     """bf16 + DistributedOptimizer on CUDA: one step, save, a second step; then a fresh learner loads
     the checkpoint and takes the same second step. Both second steps must agree."""
     from megatron_async.learner.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
-    from megatron_async.learner.model import build_model
-    from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
+    from megatron_async.learner.mapping import iter_hf_weights
+    from megatron_async.learner.optimizer import OptimSettings, train_step
+    from tests.dist._learner import tiny_learner
 
     settings = OptimSettings(lr=1e-3, min_lr=1e-4, warmup_steps=2, decay_steps=10, decay_style="cosine")
 
     def fresh():
-        model = build_model(src)
-        load_hf_weights(model, src)
-        return build_optimizer(model, settings)
+        return tiny_learner(src, settings)
 
     ckpt = work / "ckpt"
     ddp, opt, sched = fresh()
@@ -128,16 +124,15 @@ def export(src: Path, work: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     from megatron_async.learner.hf_export import export_hf
-    from megatron_async.learner.mapping import load_hf_weights
-    from megatron_async.learner.model import build_model
+    from tests.dist._learner import loaded_model
 
-    model = build_model(src)
-    load_hf_weights(model, src)
+    model = loaded_model(src)
     dst = export_hf(model, work / "hf_export", tokenizer_dir=src)
     exported, source = load_file(str(dst / "model.safetensors")), load_file(str(src / "model.safetensors"))
     dtype = next(model.chunks[0].parameters()).dtype
     ids = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    hf = AutoModelForCausalLM.from_pretrained(str(dst), dtype=dtype).to(DEVICE).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(dst), dtype=dtype)
+    hf = hf.to(DEVICE).eval()  # type: ignore[arg-type]  # transformers types its decorated .to() without self
     with torch.no_grad():
         ours, theirs = logits_of(model, ids), hf(ids).logits.float()
     return {"config_dtype": json.loads((dst / "config.json").read_text()).get("dtype"),

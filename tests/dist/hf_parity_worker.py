@@ -36,19 +36,17 @@ def hf_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def compare(src: Path, dtype: torch.dtype) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatron_async.learner.schedule import compute_logprobs
-    from megatron_async.learner.model import build_model
-    from megatron_async.learner.mapping import load_hf_weights
+    from megatron_async.learner.schedule import Tokens, compute_logprobs
+    from tests.dist._learner import loaded_model
 
-    model = build_model(src, dtype=dtype)
-    load_hf_weights(model, src)
+    model = loaded_model(src, dtype)
     vocab = model.arch.vocab_size
     ids = torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(0))
     hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(ids).logits
         got = megatron_logits(model, ids).float()
-        logprobs = compute_logprobs(model, [{"input_ids": ids, "loss_mask": torch.ones(ids.shape)}])[0]
+        logprobs = compute_logprobs(model, [Tokens(input_ids=ids, loss_mask=torch.ones(ids.shape))])[0]
     ref_logprobs = hf_logprobs(ref, ids)
     result = {"dtype": str(next(model.chunks[0].parameters()).dtype), "max_diff": (ref - got).abs().max().item(),
               "logprob_max_diff": (logprobs - ref_logprobs).abs().max().item(), "logit_scale": ref.abs().max().item()}

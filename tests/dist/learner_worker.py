@@ -6,16 +6,22 @@ For each model: load the HF checkpoint, check `iter_hf_weights` gives it back bi
 save (from the ranks that hold them) full logits, logprobs, one train step's loss metrics, the
 HF-layout gradients and the HF-layout weights after the Adam step, as OUT/<model>_*.pt.
 """
+from __future__ import annotations
+
 import argparse
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:  # megatron (schedule's import) is imported in the functions that run it
+    from megatron_async.learner.schedule import Tokens
 
-def batches(vocab: int, seed: int = 0) -> list[dict]:
+
+def batches(vocab: int, seed: int = 0) -> list[Tokens]:
     g = torch.Generator().manual_seed(seed)
-    mbs = []
+    mbs: list[Tokens] = []
     for _ in range(2):
         ids = torch.randint(3, vocab, (2, 12), generator=g)
         mask = torch.ones(2, 12)
@@ -58,13 +64,12 @@ def run_model(src: Path, out: Path, tp: int):
     from safetensors.torch import load_file
     from megatron.core import parallel_state as ps
     from megatron_async.learner.schedule import compute_logprobs
-    from megatron_async.learner.model import build_model
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
-    from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
+    from megatron_async.learner.mapping import iter_hf_weights
+    from tests.dist._learner import loaded_model
 
     name = src.name
-    model = build_model(src)
-    load_hf_weights(model, src)
+    model = loaded_model(src)
     ref = load_file(str(src / "model.safetensors"))
     for hf_name, t in iter_hf_weights(model):
         assert torch.equal(t, ref[hf_name]), f"round trip differs for {hf_name}"

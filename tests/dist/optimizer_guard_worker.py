@@ -104,17 +104,15 @@ def precision(ddp, opt) -> dict:
 def run(src: Path, out: Path, dtype: torch.dtype | None) -> dict:
     from megatron.core import parallel_state as ps
 
-    from megatron_async.learner.mapping import load_hf_weights
-    from megatron_async.learner.model import build_model, unwrap_model
-    from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
+    from megatron_async.learner.model import unwrap_model
+    from megatron_async.learner.optimizer import OptimSettings, train_step
+    from tests.dist._learner import tiny_learner
 
-    model = build_model(src, dtype=dtype)
-    load_hf_weights(model, src)
     # linear decay: the LR moves with every step taken, so a skipped step that advanced the
     # schedule would show; clip far above the norm, so main grads stay unclipped for the check
-    ddp, opt, sched = build_optimizer(model, OptimSettings(lr=1e-3, decay_steps=10, decay_style="linear",
-                                                            clip_grad=1e6, adam_eps=1e-6))
-    mbs = batches(model.arch.vocab_size)
+    ddp, opt, sched = tiny_learner(src, OptimSettings(lr=1e-3, decay_steps=10, decay_style="linear", clip_grad=1e6,
+                                                      adam_eps=1e-6), dtype)
+    mbs = batches(ddp.arch.vocab_size)
     # this rank's own shards (iter_hf_weights would yield the full tensors on TP rank 0 only)
     weights = lambda: {n: p.detach().clone() for c in ddp.chunks for n, p in c.named_parameters()}  # noqa: E731
     schedule = lambda: {"num_steps": sched.num_steps, "lr": opt.param_groups[0]["lr"]}  # noqa: E731

@@ -41,7 +41,7 @@ def gpu_local_spec(src: Path) -> dict:
                         vocab_size=arch.vocab_size, max_sequence_length=arch.max_position_embeddings,
                         position_embedding_type="rope")
 
-    out = {"perf": perf.to_dict(), "flags": {k: getattr(config, k) for k in (
+    out: dict[str, object] = {"perf": perf.to_dict(), "flags": {k: getattr(config, k) for k in (
         "sequence_parallel", "masked_softmax_fusion", "persist_layer_norm", "bias_activation_fusion",
         "bias_dropout_fusion", "apply_rope_fusion", "gradient_accumulation_fusion", "bf16")}}
     model = build(config)
@@ -56,12 +56,10 @@ def gpu_local_spec(src: Path) -> dict:
 
 def padding(src: Path) -> dict:
     from megatron_async.learner import schedule
-    from megatron_async.learner.mapping import load_hf_weights
-    from megatron_async.learner.model import build_model
     from megatron_async.learner.value import build_value_model
+    from tests.dist._learner import loaded_model
 
-    model = build_model(src)
-    load_hf_weights(model, src)
+    model = loaded_model(src)
     values = build_value_model(src)
     head = values.chunks[0].output_layer
     with torch.no_grad():
@@ -74,7 +72,7 @@ def padding(src: Path) -> dict:
 
     plain = run()
     real = schedule.seq_multiple
-    schedule.seq_multiple = lambda _chunks: 5  # what sequence parallelism at TP=5 asks for: run at length 15
+    schedule.seq_multiple = lambda chunks: 5  # what sequence parallelism at TP=5 asks for: run at length 15
     try:
         padded = run()
     finally:
@@ -88,17 +86,14 @@ def padding(src: Path) -> dict:
 def overlap(src: Path) -> dict:
     """DP=2 (torchrun): three steps with parallel.overlap_grad_reduce forced on vs off, each rank on
     its own batch (so the DP reduce matters); the overlapped bucket reduce runs over gloo."""
-    from megatron_async.learner.mapping import load_hf_weights
-    from megatron_async.learner.model import build_model
-    from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
+    from megatron_async.learner.optimizer import OptimSettings, train_step
     from megatron_async.learner.perf import PerfSettings
+    from tests.dist._learner import tiny_learner
 
     out = {}
     for on in (False, True):
-        model = build_model(src, perf=PerfSettings(overlap_grad_reduce=on))
-        load_hf_weights(model, src)
-        ddp, opt, sched = build_optimizer(model, OptimSettings(lr=1e-3))
-        mbs = batches(model.arch.vocab_size, seed=torch.distributed.get_rank())
+        ddp, opt, sched = tiny_learner(src, OptimSettings(lr=1e-3), perf=PerfSettings(overlap_grad_reduce=on))
+        mbs = batches(ddp.arch.vocab_size, seed=torch.distributed.get_rank())
         steps = [train_step(ddp, opt, sched, mbs, nll) for _ in range(3)]
         out[f"overlap_{on}"] = {"ddp_overlap": ddp.chunks[0].ddp_config.overlap_grad_reduce,
                                 "grad_norms": [m["grad_norm"] for m in steps], "losses": [m["loss"] for m in steps],

@@ -15,14 +15,20 @@ previous round's logprobs, how many replicas published the version, and the dtyp
 `--dtype bfloat16`: a bf16 learner (fp32 main weights in its optimizer) and bf16 replicas, the GPU's
 pair (model.dtype: bfloat16); default: fp32 both.
 """
+from __future__ import annotations
+
 import argparse
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:  # megatron (schedule's import) is imported in the functions that run it
+    from megatron_async.learner.schedule import Tokens
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (tp, pp) on 2 ranks
 ROUNDS = 3
@@ -35,7 +41,7 @@ def nll(logprobs, mb):
     return -(logprobs * mask).sum() / mask.sum(), {}
 
 
-def microbatch(sequences: list[list[int]]) -> dict:
+def microbatch(sequences: list[list[int]]) -> Tokens:
     ids = torch.tensor(sequences)
     mask = torch.zeros_like(ids, dtype=torch.float32)
     mask[:, PROMPT_LEN:] = 1.0
@@ -61,7 +67,8 @@ def sample_and_compare(ddp, pool, prompts: list[list[int]], seed: int) -> Sample
     from megatron_async.learner.schedule import compute_logprobs
     from megatron_async.rollout import Sampling
 
-    payload, records = [None], None
+    payload: list[Any] = [None]
+    records = None
     if dist.get_rank() == 0:
         records = pool.generate(prompts, Sampling(n=N, max_tokens=NEW_TOKENS, ignore_eos=True, seed=seed))
         payload = [[(list(r.prompt_token_ids) + list(r.token_ids), list(r.logprobs), r.policy_version) for r in records]]
@@ -85,20 +92,18 @@ def run_layout(model_dir: Path, tp: int, pp: int, pool, urls, key, first_version
     from megatron.core import parallel_state as ps
 
     from megatron_async.learner.schedule import compute_logprobs
-    from megatron_async.learner.model import build_model
-    from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
+    from megatron_async.learner.optimizer import OptimSettings, train_step
     from megatron_async.learner.parallel import init_parallel
-    from megatron_async.learner.mapping import iter_hf_weights, load_hf_weights
+    from megatron_async.learner.mapping import iter_hf_weights
     from megatron_async.weights.host_memory import HostMemorySender
+    from tests.dist._learner import tiny_learner
 
     init_parallel(tp, pp)
-    model = build_model(model_dir, dtype=dtype)
-    load_hf_weights(model, model_dir)
-    ddp, opt, sched = build_optimizer(model, OptimSettings(lr=1e-2, clip_grad=1.0))
+    ddp, opt, sched = tiny_learner(model_dir, OptimSettings(lr=1e-2, clip_grad=1.0), dtype)
     source = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     senders = {t: HostMemorySender(urls, key, timeout_s=60, bucket_bytes=256 << 10, transport=t)
                for t in set(TRANSPORTS)} if source else {}
-    vocab = model.arch.vocab_size
+    vocab = ddp.arch.vocab_size
     g = torch.Generator().manual_seed(first_version)
     prompts = torch.randint(3, vocab, (4, PROMPT_LEN), generator=g).tolist()
     rows, prev = [], None
@@ -106,7 +111,7 @@ def run_layout(model_dir: Path, tp: int, pp: int, pool, urls, key, first_version
         version = first_version + rnd
         if rnd:
             train_step(ddp, opt, sched, [microbatch(torch.randint(3, vocab, (4, PROMPT_LEN + NEW_TOKENS), generator=g).tolist())], nll)
-        opened = [pool.begin_update(None, "between_batches", 60) if dist.get_rank() == 0 else None]
+        opened: list[Any] = [pool.begin_update(None, "between_batches", 60) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(opened, src=0)
         pushed_dtypes: set = set()
         named = recording_dtypes(iter_hf_weights(ddp), pushed_dtypes)

@@ -21,7 +21,7 @@ if __name__ == "__main__":
     from transformers import AutoModelForSequenceClassification
 
     from megatron_async.config import load_config
-    from megatron_async.learner.schedule import compute_values
+    from megatron_async.learner.schedule import Tokens, compute_values
     from megatron_async.learner.parallel import destroy_parallel, init_parallel
     from megatron_async.run.learner_state import LearnerState
 
@@ -33,7 +33,8 @@ if __name__ == "__main__":
         rm = AutoModelForSequenceClassification.from_pretrained(rm_dir, use_safetensors=True, dtype=torch.float32).eval()
         # no pad token (id 0) among them: the RM scores the last token of each row
         ids = torch.randint(3, rm.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0))
-        values = compute_values(learner.value.model, [{"input_ids": torch.cat([ids, ids[:, :1]], dim=1)}])[0][:, -1]
+        assert learner.value is not None  # PPO's
+        values = compute_values(learner.value.model, [Tokens(input_ids=torch.cat([ids, ids[:, :1]], dim=1))])[0][:, -1]
         with torch.no_grad():
             scores = rm(input_ids=ids).logits[:, 0]
         Path(out).write_text(json.dumps({"values": values.tolist(), "rm_scores": scores.tolist()}))

@@ -14,15 +14,21 @@ For each HF checkpoint (vocab 301: padded to 512 at TP=2 with the default 128, s
 - one Adam step: its metrics, the largest |gradient| and |weight| in the padding rows after it,
   the HF-layout weights after it, and OUT/<name>_export (`export_hf` after the step).
 """
+from __future__ import annotations
+
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from learner_worker import batches, nll  # tests/dist is on sys.path as the script's directory
 
+if TYPE_CHECKING:  # megatron (schedule's import) is imported in the function that runs it
+    from megatron_async.learner.schedule import Tokens
 
-def microbatches(vocab: int) -> list[dict]:
+
+def microbatches(vocab: int) -> list[Tokens]:
     mbs = batches(vocab)
     mbs[0]["input_ids"][0, 5:9] = torch.tensor([vocab - 1, 260, 257, vocab - 2])  # targets in TP rank 1's slice
     return mbs
@@ -67,7 +73,7 @@ def run_model(src: Path, out: Path):
     from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
 
     name, rank0 = src.name, torch.distributed.get_rank() == 0
-    result = {}
+    result: dict[str, Any] = {}
     model = build_model(src)
     gpt = model.chunks[0]
     result["padded_vocab_size"] = model.padded_vocab_size

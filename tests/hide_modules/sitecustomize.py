@@ -23,4 +23,5 @@ if _HIDDEN:
             return None
         return _find_spec(fullname, path, target)
 
-    importlib.machinery.PathFinder.find_spec = classmethod(_hiding_find_spec)
+    importlib.machinery.PathFinder.find_spec = classmethod(  # type: ignore[method-assign,assignment]  # this module's point
+        _hiding_find_spec)
