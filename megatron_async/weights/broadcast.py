@@ -324,7 +324,7 @@ class Fanout:
     time). A dropped group is destroyed once the work queued before its broadcasts is done (at once
     on gloo): aborting an NCCL communicator whose kernels still wait behind live groups' on the
     stream is undefined. If that never comes, every group of the push is aborted (`finish`).
-    `finish` then waits (bounded) for the dropped groups' other members to answer: their receive
+    `finish` then waits (bounded) for the dropped node groups' members to answer: their receive
     ends when their group does (gloo: the sender's end closes; NCCL: their `Watchdog`), and their
     engine must be free before the pool closes their update.
 
@@ -390,7 +390,8 @@ class Fanout:
         if self._doomed:  # work queued before a dropped group never finished
             self._abort_all("aborted with the push's other groups: a dropped group could not be destroyed "
                             "alone (work queued before it never finished)")
-        wait([self.answers[u] for u in self.failed], timeout=self.timeout_s)
+        # a dropped node group's members: their engines free before the pool closes their update
+        wait([self.answers[u] for m in self.dropped if len(m) > 1 for u in m], timeout=self.timeout_s)
         self.wait_seconds += time.perf_counter() - t
 
     def _stuck_behind_doomed(self, busy: list[Members], now: float) -> bool:
