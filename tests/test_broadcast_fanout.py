@@ -150,6 +150,22 @@ def test_replicas_are_grouped_by_the_host_of_their_url_and_one_dropped_with_its_
         sender.close()
 
 
+@pytest.mark.parametrize("transport, urls, pp, turns", [
+    ("gloo", ["http://127.0.0.1:1", "http://127.0.0.1:2"], 2, 2),  # a node group: the stages in turn
+    ("gloo", ["http://10.0.0.2:1", "http://10.0.0.3:1"], 2, 1),  # a replica per host: at once
+    ("gloo", ["http://127.0.0.1:1", "http://127.0.0.1:2"], 1, 1),
+    ("shm", ["http://127.0.0.1:1", "http://127.0.0.1:2"], 2, 1),  # no groups
+])
+def test_the_stages_stream_in_turn_only_where_a_group_spans_several_replicas(transport, urls, pp, turns):
+    from megatron_async.config import load_config
+    from megatron_async.learner.parallel import ParallelLayout
+    from megatron_async.weights.build import stage_turns
+
+    cfg = load_config(None, [f"rollout.weight_transport={transport}"])
+    layout = ParallelLayout(0, pp, 1, pp, 1, 0, 0, 0, torch.device("cpu"))
+    assert stage_turns(cfg, layout, urls) == turns
+
+
 class BlockingWire:
     transport = "gloo"
 
