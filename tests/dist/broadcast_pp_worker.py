@@ -141,7 +141,7 @@ def main():
             sampled = sample_and_compare(ddp, pool, prompts, seed=version)
             if layout.rank == 0:
                 rounds.append({"round": rnd, "version": version, "record_versions": sampled.versions,
-                               "record_replicas": sorted({r.replica_id for r in sampled.records}),
+                               "record_replicas": sorted({r.replica_id for r in sampled.records or []}),
                                "learner_diff": sampled.learner_diff,
                                "hf_diff": max_logprob_diff(a.model, sampled.records) if rnd == "full" else None,
                                "needing_weights": [r.replica_id for r in pool.replicas_needing_weights(wait_s=0)]})
