@@ -309,8 +309,8 @@ class RolloutConfig:
         "group's TCP rendezvous); \"\" = 127.0.0.1 for replicas on this host, else the address this host "
         "uses to reach the replica's host")
     rendezvous_port: int = opt(0,
-        "weight_transport=nccl/gloo: the group of learner pipeline stage s with replica i rendezvous at "
-        "rendezvous_port + s * num_replicas + i; 0 = a free port each time")
+        "weight_transport=nccl/gloo: the group of learner pipeline stage s whose first replica is replica i (one "
+        "group per replica host) rendezvous at rendezvous_port + s * num_replicas + i; 0 = a free port each time")
     generate_timeout_s: float = opt(600.0, "a generation request slower than this fails its replica")
     startup_timeout_s: float = opt(300.0,
         "seconds a replica may take to answer after it was started or restarted (a replica_urls server: to "

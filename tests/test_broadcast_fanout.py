@@ -76,11 +76,11 @@ def broadcast_one_full_buffer(f: Fanout) -> None:
 
 def test_a_replica_whose_broadcast_never_completes_is_dropped_at_its_deadline_and_the_others_publish():
     hung, live = Channel(Stream(), gloo=True), Channel(Stream(), instant=True, gloo=True)
-    f = fanout({"hung": hung, "live": live}, {"hung": Future(), "live": answered()}, timeout_s=0.2)
+    f = fanout({("hung",): hung, ("live",): live}, {"hung": Future(), "live": answered()}, timeout_s=0.2)
     broadcast_one_full_buffer(f)
     f.finish()
     assert set(f.failed) == {"hung"} and "within 0 s of when it could start" in f.failed["hung"], f.failed
-    assert list(f.channels) == ["live"] and hung.destroyed_after is not None
+    assert list(f.channels) == [("live",)] and hung.destroyed_after is not None
 
 
 def test_a_dropped_replicas_group_is_destroyed_only_after_the_work_queued_before_it():
@@ -88,7 +88,7 @@ def test_a_dropped_replicas_group_is_destroyed_only_after_the_work_queued_before
     still run: B's group is aborted only once those are done."""
     stream = Stream()
     a, b = Channel(stream), Channel(stream)
-    f = fanout({"a": a, "b": b}, {"a": Future(), "b": Future()})
+    f = fanout({("a",): a, ("b",): b}, {"a": Future(), "b": Future()})
     broadcast_one_full_buffer(f)  # A's, then B's broadcasts queued; one buffer in flight is allowed
     f.answers["b"].set_exception(RuntimeError("update_weights answered 500"))
     f._settle(in_flight=1)
@@ -101,7 +101,7 @@ def test_a_dropped_replicas_group_is_destroyed_only_after_the_work_queued_before
 def test_when_the_work_before_a_dropped_group_never_finishes_every_group_of_the_push_is_aborted():
     stream = Stream()
     a, b = Channel(stream), Channel(stream)
-    f = fanout({"a": a, "b": b}, {"a": answered(), "b": Future()}, timeout_s=0.2)
+    f = fanout({("a",): a, ("b",): b}, {"a": answered(), "b": Future()}, timeout_s=0.2)
     broadcast_one_full_buffer(f)
     f.answers["b"].set_exception(RuntimeError("update_weights answered 500"))
     f.finish()  # A's broadcasts never complete: it misses its deadline; B's never start
@@ -115,12 +115,58 @@ def test_replicas_queued_behind_a_dropped_group_that_never_ends_are_aborted_with
     given to end, every group of the push is aborted instead of waiting for ever."""
     stream = Stream()
     a, b = Channel(stream), Channel(stream)
-    f = fanout({"a": a, "b": b}, {"a": Future(), "b": Future()}, timeout_s=0.2)
+    f = fanout({("a",): a, ("b",): b}, {"a": Future(), "b": Future()}, timeout_s=0.2)
     broadcast_one_full_buffer(f)
     broadcast_one_full_buffer(f)  # waits: two buffers in flight per replica is one too many
     assert "within 0 s of when it could start" in f.failed["a"], f.failed
-    assert "queued behind a dropped replica's" in f.failed["b"], f.failed
+    assert "queued behind a dropped group's" in f.failed["b"], f.failed
     assert not f.channels and a.destroyed_after is not None and b.destroyed_after is not None
+
+
+def test_a_node_group_is_dropped_whole_when_one_member_fails_and_its_other_members_are_awaited():
+    """Replicas A and B share a group (one node), C has its own: B's call answers an error, so A
+    and B are dropped (A's reason names B), C goes on; `finish` returns once A answered
+    (its receive ended with its group), not before."""
+    ab, c = Channel(Stream(), gloo=True), Channel(Stream(), instant=True, gloo=True)
+    answers = {"a": Future(), "b": Future(), "c": answered()}
+    f = fanout({("a", "b"): ab, ("c",): c}, answers, timeout_s=5.0)
+    broadcast_one_full_buffer(f)
+    answers["b"].set_exception(RuntimeError("update_weights answered 500"))
+    threading.Timer(0.3, answers["a"].set_exception, [RuntimeError("receive: connection closed by peer")]).start()
+    f.finish()
+    assert set(f.failed) == {"a", "b"} and f.dropped == [("a", "b")], f.failed
+    assert "answered 500" in f.failed["b"] and "dropped with its node group, whose member b failed" in f.failed["a"]
+    assert answers["a"].done() and list(f.channels) == [("c",)] and ab.destroyed_after is not None
+
+
+def test_replicas_are_grouped_by_the_host_of_their_url_and_one_dropped_with_its_group_goes_alone():
+    urls = ["http://10.0.0.2:8000", "http://10.0.0.3:8000", "http://10.0.0.2:8001", "http://10.0.0.2:8002"]
+    sender = BroadcastSender(urls, "key", wire=BlockingWire(), replica_tp=1, timeout_s=1, bucket_bytes=BUFFER,
+                             address="10.0.0.1")
+    try:
+        a, b, c, d = urls
+        assert sender.layout(urls) == [(a, c, d), (b,)]
+        assert sender.layout([d, c]) == [(c, d)]  # a re-sync of some: their own group
+        sender._solo.add(c)  # dropped with its node group: alone until a push reaches it
+        assert sender.layout(urls) == [(a, d), (b,), (c,)]
+    finally:
+        sender.close()
+
+
+@pytest.mark.parametrize("transport, urls, pp, turns", [
+    ("gloo", ["http://127.0.0.1:1", "http://127.0.0.1:2"], 2, 2),  # a node group: the stages in turn
+    ("gloo", ["http://10.0.0.2:1", "http://10.0.0.3:1"], 2, 1),  # a replica per host: at once
+    ("gloo", ["http://127.0.0.1:1", "http://127.0.0.1:2"], 1, 1),
+    ("shm", ["http://127.0.0.1:1", "http://127.0.0.1:2"], 2, 1),  # no groups
+])
+def test_the_stages_stream_in_turn_only_where_a_group_spans_several_replicas(transport, urls, pp, turns):
+    from megatron_async.config import load_config
+    from megatron_async.learner.parallel import ParallelLayout
+    from megatron_async.weights.build import stage_turns
+
+    cfg = load_config(None, [f"rollout.weight_transport={transport}"])
+    layout = ParallelLayout(0, pp, 1, pp, 1, 0, 0, 0, torch.device("cpu"))
+    assert stage_turns(cfg, layout, urls) == turns
 
 
 class BlockingWire:
@@ -149,7 +195,7 @@ def test_group_formation_that_never_returns_is_given_up_at_its_bound_on_daemon_t
     before = set(threading.enumerate())
     try:
         with pytest.raises(TimeoutError, match="did not form within"):
-            sender._connect(url)
+            sender._connect((url,))
         stuck = [t for t in set(threading.enumerate()) - before if t.name == "weight-sync-formation"]
         assert len(stuck) == 2 and all(t.daemon for t in stuck)  # never joined at exit, no pool thread taken
     finally:
@@ -191,7 +237,7 @@ def test_vllms_packed_buffers_with_inband_headers_arrive_whole_and_in_order(size
     answer = on_daemon_thread(replica)
     channel = GlooCommunicator.join("127.0.0.1", port, 0, 2, 30)
     tensors = stream_of(sizes)
-    f = Fanout({"r": channel}, {"r": answer}, buffer_bytes=BUFFER, timeout_s=30, keep=False, group=0, device=cpu)
+    f = Fanout({("r",): channel}, {"r": answer}, buffer_bytes=BUFFER, timeout_s=30, keep=False, group=0, device=cpu)
     packed.packed_nccl_broadcast_producer(iterator=f.items(iter(tensors)), group=f, src=0, post_iter_func=f.record,
                                           buffer_size_bytes=BUFFER, num_buffers=NUM_BUFFERS)
     f.finish()

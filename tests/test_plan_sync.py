@@ -32,8 +32,8 @@ def tiny_dir(root: Path, **changes) -> Path:
     return root
 
 
-def plan(*overrides: str, config: str | None = None, links: Links = Links(), node_groups: bool = False) -> SyncPlan:
-    return plan_sync(load_config(config, list(overrides)), links, node_groups)
+def plan(*overrides: str, config: str | None = None, links: Links = Links()) -> SyncPlan:
+    return plan_sync(load_config(config, list(overrides)), links)
 
 
 def recipe_layout(script: str) -> list[str]:
@@ -97,35 +97,22 @@ def recipe_8b(**kwargs) -> SyncPlan:
                 config=str(ROOT / "configs" / "gpu_llama8b_norobots.yaml"), **kwargs)
 
 
-def test_the_8b_recipe_crosses_into_the_replica_node_once_per_replica(monkeypatch):
+def test_the_8b_recipe_crosses_into_the_replica_node_once(monkeypatch):
     """launch/slurm_llama8b.sbatch, as built: the one sender on node 0 reaches node 1's eight TP=1
-    replicas through eight groups of 1 + 1 ranks, one after the other on its stream, so its 16.06 GB
-    cross InfiniBand eight times; seconds as computed. The default bucket (auto) is 1024 MiB."""
+    replicas through one group of 1 + 8 ranks (a node group, weights/broadcast.py), so its 16.06 GB
+    cross InfiniBand once; seconds as computed. The default bucket (auto) is 1024 MiB."""
     monkeypatch.setenv("MEGATRON_ASYNC_ROLLOUT_TOKEN", "x")
     links = Links(nvlink_gb_per_s=400.0, infiniband_gb_per_s=40.0, call_overhead_s=0.01)
     got = recipe_8b(links=links)
     [stage] = got.stages
-    assert not got.node_groups and got.bucket_mb == 1024
+    assert got.bucket_mb == 1024 and "per (stage, replica node)" in got.render()
     assert (stage.sender_rank, stage.sender_node, stage.calls_per_replica) == (0, 0, 1)
-    assert [(g.node, g.replicas, g.ranks, g.link) for g in stage.groups] == \
-        [(1, [i], 2, "infiniband") for i in range(8)]
+    assert [(g.node, g.replicas, g.ranks, g.link) for g in stage.groups] == [(1, list(range(8)), 9, "infiniband")]
     assert stage.bytes == 2 * 8_030_261_248  # LLaMA-3.1-8B's parameters in bf16
     assert stage.seconds is not None  # modelled: nccl
-    assert stage.seconds == pytest.approx(8 * stage.bytes / 40e9 + 0.01)
+    assert stage.seconds == pytest.approx(stage.bytes / 40e9 + 0.01)
     assert got.seconds == pytest.approx(stage.seconds + len(PHASE_CALLS) * 0.01)
-
-
-def test_node_groups_computes_the_not_built_design_for_comparison(monkeypatch, capsys):
-    """--node-groups (issue 42 item 2, not built): one group of 1 + 8 ranks, the bytes cross once;
-    the output says it is not built."""
-    monkeypatch.setenv("MEGATRON_ASYNC_ROLLOUT_TOKEN", "x")
-    built, node = recipe_8b(), recipe_8b(node_groups=True)
-    [stage] = node.stages
-    assert [(g.node, g.replicas, g.ranks) for g in stage.groups] == [(1, list(range(8)), 9)]
-    assert stage.seconds == pytest.approx(stage.bytes / 50e9 + 0.003)
-    assert built.seconds is not None and node.seconds is not None and built.seconds > node.seconds
-    assert "NOT BUILT" in node.render() and "NOT BUILT" not in built.render()
-    assert "NOT BUILT" in node.to_json()["design"]
+    assert "InfiniBand node 0->1, once" in got.render()
 
 
 @pytest.mark.parametrize("bucket_mb", [1, 2])

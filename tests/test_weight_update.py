@@ -53,8 +53,8 @@ def as_pool(fake: FakePool) -> ReplicaPool:
 class FakeSender:
     """A WeightSender that fails the replicas in `fails` (url -> why), or raises `refuse`."""
 
-    def __init__(self, fails=None, refuse: str | None = None):
-        self.fails, self.refuse = dict(fails or {}), refuse
+    def __init__(self, fails=None, refuse: str | None = None, with_group=()):
+        self.fails, self.refuse, self.with_group = dict(fails or {}), refuse, list(with_group)
         self.pushed: list[list[str]] = []
         self.forgotten: list[str] = []
         self.drained = 0
@@ -69,7 +69,8 @@ class FakeSender:
         self.dtypes += [t.dtype for _, t in named_tensors]
         self.drained = len(self.dtypes)
         failed = {u: why for u, why in self.fails.items() if u in urls}
-        return PushResult(bytes=8, replicas=len(urls) - len(failed), buckets=1, failed=failed, carriers=["fake"])
+        return PushResult(bytes=8, replicas=len(urls) - len(failed), buckets=1, failed=failed,
+                          failed_with_group=[u for u in self.with_group if u in failed], carriers=["fake"])
 
     def forget(self, urls):
         self.forgotten += list(urls)
@@ -113,6 +114,18 @@ def test_an_update_that_reached_no_replica_while_both_are_up_stops_the_run(ctrl)
     with pytest.raises(WeightSyncError, match=r"version 6 reached no replica; replicas \[0, 1\] are up"):
         update(ctrl, pool, sender).push(6, tensors())
     assert pool.calls[-1] == ("finish", 6, [], [0, 1])
+
+
+def test_replicas_dropped_only_with_their_node_group_are_not_refusing_and_the_update_goes_on(ctrl):
+    """One member's failure dropped its node group (weights/broadcast.py): no replica published,
+    but which one refuses only a re-sync alone tells; one that failed alone still stops the run."""
+    pool = FakePool()
+    grouped = FakeSender(fails={u: "dropped with its node group" for u in URLS}, with_group=URLS)
+    result = update(ctrl, pool, grouped).push(6, tensors())
+    assert result.published == [] and sorted(result.failed) == URLS and result.stop is None
+    alone = FakeSender(fails={u: "refused" for u in URLS}, with_group=URLS[:1])
+    with pytest.raises(WeightSyncError, match=r"replicas \[1\] are up and refused it"):
+        update(ctrl, FakePool(), alone).push(7, tensors())
 
 
 def test_an_update_that_reached_no_replica_because_they_died_goes_on(ctrl):

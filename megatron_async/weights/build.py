@@ -6,7 +6,7 @@ Run once, before the first push (a push itself never comes here: weights/update.
 sender through its interface). The choices:
 - the sender (`rollout.weight_transport`, where auto is nccl for GPU replicas and host memory
   otherwise: config.weight_transport): on the sender rank of each pipeline stage (its TP rank 0
-  of DP rank 0) a `BroadcastSender` (nccl / gloo: one group per stage and replica,
+  of DP rank 0) a `BroadcastSender` (nccl / gloo: one group per stage and replica node,
   weights/broadcast.py) or a `HostMemorySender` (shm / http, weights/host_memory.py); the
   replicas' engine was started for the same choice;
 - delta sync (`rollout.sync_full_every`, `resolve_full_every`): a full push every `full_every`,
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from typing import Sequence
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,7 @@ def build_weight_update(cfg: Config, layout: ParallelLayout, ctrl: dist.ProcessG
                  f"deltas, a full sync every {full_every}" if full_every else "every sync full", why)
         if full_every and transport == "nccl":
             raise ValueError("delta sync over nccl is not built (vLLM's sparse_nccl backend is the path)")
-        if transport in BROADCAST_TRANSPORTS:  # one group per (stage, replica)
+        if transport in BROADCAST_TRANSPORTS:  # one group per (stage, replica node)
             sender = BroadcastSender(urls, key, wire=make_wire(transport), replica_tp=r.replica_tp,
                                      timeout_s=r.sync_timeout_s,
                                      bucket_bytes=sync_bucket_bytes(r.sync_bucket_mb, transport),
@@ -59,7 +60,23 @@ def build_weight_update(cfg: Config, layout: ParallelLayout, ctrl: dist.ProcessG
             sender = HostMemorySender(urls, key, timeout_s=r.sync_timeout_s, transport=transport,
                                       bucket_bytes=sync_bucket_bytes(r.sync_bucket_mb, transport))
     return WeightUpdate(ctrl, urls, r.weight_update, r.sync_timeout_s, layout.pp_rank, pool, sender,
-                        send_dtype=send_dtype, schedule=DeltaSchedule(full_every) if full_every else None)
+                        send_dtype=send_dtype, schedule=DeltaSchedule(full_every) if full_every else None,
+                        stage_turns=stage_turns(cfg, layout, urls))
+
+
+def stage_turns(cfg: Config, layout: ParallelLayout, urls: Sequence[str]) -> int:
+    """`WeightUpdate.stage_turns`: the pipeline stages stream in turn where a broadcast group spans
+    several replicas (a node's, weights/broadcast.py), else at once. Why: each stage's group spans
+    the node's replicas, a replica's engine serves one `/update_weights` at a time, in the order the
+    stages' calls reach it, and every member of a group must be inside that stage's call for its
+    broadcasts to complete; two replicas that took the stages' calls in opposite orders would each
+    wait for the other (the deadlock slime PR #2331 met forming PP groups). In turn, every replica
+    serves the stages in one order; the cost is the overlap of one stage's first gathers with the
+    stage before it (a replica loads one stage after the other either way)."""
+    transport, _ = weight_transport(cfg)
+    hosts = [urlparse(u).hostname for u in urls]
+    shared = len(set(hosts)) < len(hosts)
+    return layout.pp if transport in BROADCAST_TRANSPORTS and shared and layout.pp > 1 else 1
 
 
 def resolve_full_every(setting: int | str, transport: str, urls: Sequence[str], dtype: torch.dtype) -> tuple[int, str]:

@@ -22,23 +22,19 @@ The push it models is the one built (weights/broadcast.py, weights/update.py):
 - nccl / gloo: a stage reaches each replica through ONE /update_weights carrying its whole
   manifest, its tensors packed as vLLM's producer packs them (`packed_buffers`: tensors in stream
   order until the running total exceeds the cap, the one that crosses it included), double-
-  buffered (packing and the TP gathers overlap the broadcast and are not counted). Each (stage,
-  replica) has a group of its own (the sender + the replica's replica_tp workers), and the
-  stage's one stream sends each buffer to each replica in turn, so a stage's bytes cross the
-  link once per replica: InfiniBand from a sender on another node, NVLink inside one. A stage
-  takes replicas x bytes / link + its calls x the per-call overhead; a replica's engine serves
-  one call at a time, so the stages add up. nccl only: gloo moves the bytes over TCP through
-  host memory.
+  buffered (packing and the TP gathers overlap the broadcast and are not counted). Each stage
+  has one group per replica node (the sender + every replica's replica_tp workers, vLLM's
+  `rank_offset` layout; the replicas here all are on placement.replica_node), so a stage's bytes
+  cross into the node once: InfiniBand from a sender on another node, NVLink inside one. A stage
+  takes bytes / link per group + its calls x the per-call overhead; the stages add up (a
+  replica's engine serves one call at a time, and where a group spans several replicas the
+  stages stream in turn, weights/build.py `stage_turns`). nccl only: gloo moves the bytes over
+  TCP through host memory.
 - shm / http (host memory): one /update_weights per buffer (`group_by_cap`), no group; their
   time is copies through host memory (docs/scaling.md), not modelled here.
 - every push adds the pool's phase calls to each replica (`PHASE_CALLS`), at the same overhead.
 Not counted: group formation (the first push, and after a failure) and the replica's load into
 its parameters (device memory on GPU).
-
-NOT BUILT: one group per replica node (issue 42 item 2). Replicas sharing a node would receive
-through one group spanning them all (vLLM's `rank_offset` layout), so a stage's bytes would cross
-into that node once, not once per replica. `--node-groups` computes that design for comparison;
-its output says "not built".
 """
 from __future__ import annotations
 
@@ -90,8 +86,8 @@ class Links:
 
 @dataclass(frozen=True)
 class Group:
-    """The replicas that a stage's sender reaches through one communicator group: one replica (as
-    built), or all of a node's (`--node-groups`, not built). Its bytes cross its link once."""
+    """The replicas that a stage's sender reaches through one communicator group: all of a node's
+    (weights/broadcast.py). Its bytes cross its link once."""
 
     node: int
     replicas: list[int]
@@ -123,7 +119,6 @@ class SyncPlan:
     dtype: str  # the replicas', which the tensors are sent in
     transport: str
     bucket_mb: int  # rollout.sync_bucket_mb resolved for the transport (config.sync_bucket_bytes)
-    node_groups: bool  # True: issue 42 item 2's design (one group per replica node), NOT built
     learner: dict[str, int]  # tp, pp, dp, nodes (running learner ranks), job_nodes
     replicas: dict[str, int]  # count, tp, node
     links: Links
@@ -151,11 +146,7 @@ class SyncPlan:
                 "links": asdict(self.links), "phase_calls_per_replica": list(PHASE_CALLS), "stages": stages,
                 "total": {"bytes": self.bytes, "calls_per_replica": self.calls_per_replica, "seconds": self.seconds}}
 
-    @property
-    def design(self) -> str:
-        if self.node_groups:
-            return "NOT BUILT (issue 42 item 2): one group per (stage, replica node)"
-        return "built: one group per (stage, replica)"
+    design = "built: one group per (stage, replica node)"
 
     def render(self) -> str:
         ln, r, links = self.learner, self.replicas, self.links
@@ -207,9 +198,8 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def plan_sync(cfg: Config, links: Links, node_groups: bool = False) -> SyncPlan:
-    """The plan of one weight sync of `cfg`'s layout on GPUs, as built (`node_groups`: issue 42
-    item 2's one group per replica node instead, not built). Raises ConfigError naming the key."""
+def plan_sync(cfg: Config, links: Links) -> SyncPlan:
+    """The plan of one weight sync of `cfg`'s layout on GPUs, as built. Raises ConfigError naming the key."""
     p, par, r = cfg.placement, cfg.parallel, cfg.rollout
     if not p.gpus_per_node:
         raise ConfigError("key 'placement.gpus_per_node' = 0: set it (the GPUs of each node of the layout to plan)")
@@ -224,7 +214,7 @@ def plan_sync(cfg: Config, links: Links, node_groups: bool = False) -> SyncPlan:
     hf_config = _hf_config(cfg)
     stages = stage_tensors(hf_config, par.tp, par.pp)
     plan = SyncPlan(model=cfg.model.hf_path, parameters=sum(t.numel() for _, ts in stages for _, t in ts), dtype=dtype,
-                    transport=transport, bucket_mb=bucket_bytes >> 20, node_groups=node_groups,
+                    transport=transport, bucket_mb=bucket_bytes >> 20,
                     learner={"tp": par.tp, "pp": par.pp, "dp": dp, "nodes": sum(1 for lay in layouts if lay.learner),
                              "job_nodes": p.nnodes},
                     replicas={"count": len(replicas), "tp": r.replica_tp, "node": p.replica_node}, links=links)
@@ -233,8 +223,7 @@ def plan_sync(cfg: Config, links: Links, node_groups: bool = False) -> SyncPlan:
         nbytes = sum(t.numel() * t.element_size() for _, t in sent)
         if transport in BROADCAST_TRANSPORTS:  # the replicas all are on p.replica_node
             link = "nvlink" if sender_node == p.replica_node else "infiniband"
-            groups = ([Group(p.replica_node, replicas, 1 + len(replicas) * r.replica_tp, link)] if node_groups
-                      else [Group(p.replica_node, [i], 1 + r.replica_tp, link) for i in replicas])
+            groups = [Group(p.replica_node, replicas, 1 + len(replicas) * r.replica_tp, link)]
             calls = 1  # the stage's whole manifest
             seconds = (sum(links.seconds(nbytes, g.link) for g in groups) + calls * links.call_overhead_s
                        if transport == "nccl" else None)
@@ -340,9 +329,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ib-gbps", type=float, default=INFINIBAND_GB_PER_S,
                    help="GB/s (10^9 bytes/s) of a broadcast into another node (default %(default)g: one 400 Gb/s "
                         "InfiniBand NIC; docs/scaling.md)")
-    p.add_argument("--node-groups", action="store_true",
-                   help="compute issue 42 item 2's design instead, NOT BUILT: one group per replica node, the bytes "
-                        "crossing into it once (for comparison)")
     p.add_argument("--call-overhead-ms", type=float, default=CALL_OVERHEAD_MS,
                    help="milliseconds per call to a replica (default %(default)g: measured with bench rollout, "
                         "docs/scaling.md)")
@@ -359,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.call_overhead_ms < 0:
             raise ConfigError(f"--call-overhead-ms = {args.call_overhead_ms:g}: must be >= 0")
         plan = plan_sync(load_config(args.config, args.overrides),
-                         Links(args.nvlink_gbps, args.ib_gbps, args.call_overhead_ms / 1e3), args.node_groups)
+                         Links(args.nvlink_gbps, args.ib_gbps, args.call_overhead_ms / 1e3))
     except ConfigError as e:
         print(f"megatron-async: config error: {e}", file=sys.stderr)
         return 2

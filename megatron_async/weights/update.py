@@ -23,7 +23,8 @@ Phases (vLLM's weight-transfer API), and who runs them:
    result carries the fraction changed over every stage (`weight_sync/changed_fraction`);
 4. the verdict: a replica left out is not fresh (its pool restarts it if it died, and the loop
    re-syncs it before it takes work). The run stops (`WeightSyncError`, on every rank) only when
-   an update reached no replica while some target is up and refusing it (retrying would loop), or
+   an update reached no replica while some target is up and refusing it (retrying would loop; one
+   dropped only with its node group is not refusing: its re-sync goes alone, weights/broadcast.py), or
    when a replica is configured unlike the run (`push(check=False)` returns it in `stop` instead).
 
 `local` is the same update in one process, rank 0 and the only stage's sender at once (no process
@@ -37,7 +38,7 @@ changed, and whether a push is a delta, are `WeightUpdate`'s. Implementations
 - `host_memory.HostMemorySender` (auto / shm / http): each bucket is a safetensors payload in a
   shared-memory segment or inline in the request; the replicas run our `mas_cpu` engine;
 - `broadcast.BroadcastSender` (nccl / gloo): each bucket's tensors are broadcast on a process
-  group per replica while its `/update_weights` call receives them; the replicas run vLLM's NCCL
+  group per replica node while its `/update_weights` call receives them; the replicas run vLLM's NCCL
   engine (`mas_nccl`) or the same engine with a gloo communicator (`mas_gloo`).
 Contract of `push`: it always drains `named_tensors` (the stage's other ranks take part in the TP
 gathers behind that iterator), bounds every wait by the sender's timeout, and reports a replica
@@ -75,6 +76,9 @@ class WeightUpdate:
     encoder: DeltaEncoder | None = None  # the stage's sender rank only: what the replicas hold
     send_dtype: torch.dtype = torch.float32  # the replicas' (config.replica_dtype): tensors are sent in it
     schedule: DeltaSchedule | None = None  # delta sync (rollout.sync_full_every), on the stage's sender rank
+    # >1: the pipeline stages stream in turn, stage s in turn s between barriers on `ctrl` (node
+    # groups, weights/build.py says why); 1: all at once
+    stage_turns: int = 1
 
     def __post_init__(self) -> None:
         if self.sender is not None and self.encoder is None:
@@ -102,16 +106,21 @@ class WeightUpdate:
         stop, else return why in `result.stop`."""
         opened = self._from_rank0(self.pool.begin_update(replica_ids, self.mode, self.timeout_s) if self.pool else None)
         resync = replica_ids is not None if resync is None else resync
-        result, refused = self._stream(version, named_tensors, opened, resync=resync)
+        result, refused = PushResult(), None
+        for turn in range(self.stage_turns):
+            if self.stage_turns == 1 or turn == self.stage:
+                result, refused = self._stream(version, named_tensors, opened, resync=resync)
+            if self.stage_turns > 1:
+                dist.barrier(group=self.ctrl)
         result.opened = opened
         counts = (self.encoder.changed, self.encoder.compared) if self.encoder is not None and opened else (0, 0)
-        report = (sorted(result.failed), refused, counts)
+        report = (sorted(result.failed), refused, counts, result.failed_with_group)
         reports: list = [report]
         if self.ctrl is not None:
             reports = [None] * dist.get_world_size(self.ctrl)
             dist.all_gather_object(reports, report, group=self.ctrl)
-        if self.pool is not None and (compared := sum(c for _, _, (_, c) in reports)):
-            result.changed_fraction = sum(c for _, _, (c, _) in reports) / compared
+        if self.pool is not None and (compared := sum(c for _, _, (_, c), _ in reports)):
+            result.changed_fraction = sum(c for _, _, (c, _), _ in reports) / compared
         verdict = self._publish(version, opened, reports, result) if self.pool is not None else None
         result.stop = self._from_rank0(verdict)
         if check and result.stop:
@@ -147,13 +156,16 @@ class WeightUpdate:
     def _publish(self, version: int, opened: list[int], reports: list, result: PushResult) -> str | None:
         """Rank 0, phases 3-4: publish where every stage arrived -> why the run must stop, or None."""
         assert self.pool is not None
-        failed = {url for urls, _, _ in reports for url in urls}
-        if refused := next((why for _, why, _ in reports if why), None):
+        failed = {url for urls, _, _, _ in reports for url in urls}
+        if refused := next((why for _, why, _, _ in reports if why), None):
             self.pool.finish_update(version, [], abandoned=opened)
             return refused
         complete = [i for i in opened if self.urls[i] not in failed]
         result.published = self.pool.finish_update(version, complete, [i for i in opened if i not in complete])
-        refusing = self.pool.up([i for i in opened if i not in result.published])
+        # dropped only with a node group (every stage's failure of it so): re-synced alone, not refusing
+        with_group = {url for urls, _, _, grouped in reports for url in grouped} - {
+            url for urls, _, _, grouped in reports for url in urls if url not in grouped}
+        refusing = self.pool.up([i for i in opened if i not in result.published and self.urls[i] not in with_group])
         if opened and not result.published and refusing:
             return f"weight sync of version {version} reached no replica; replicas {refusing} are up and refused it"
         return None
@@ -189,6 +201,8 @@ class PushResult:
     seconds: float = 0.0  # wall, including producing the tensors (the TP gathers)
     send_seconds: float = 0.0  # waiting for the replicas
     failed: dict[str, str] = field(default_factory=dict)  # url -> why it was dropped from this push
+    # of `failed`: dropped with a node group of several (weights/broadcast.py): not counted as refusing
+    failed_with_group: list[str] = field(default_factory=list)
     carriers: list[str] = field(default_factory=list)  # how the bytes travelled: shm, http, nccl, gloo
     delta: bool = False  # only the changed elements were sent (weights/delta.py)
     changed_fraction: float | None = None  # rank 0: of every stage's weights, since the last push (weights/delta.py)
