@@ -62,7 +62,7 @@ from megatron_async.learner.perf import Backend, resolve
 from megatron_async.weights.host_memory import carrier_for
 from megatron_async.weights.update import group_by_cap
 
-# The flags' defaults (docs/scaling.md, "Planning a sync", says where each comes from).
+# The flags' defaults (docs/scaling.md, "Weight-sync budgets, computed", says where each comes from).
 NVLINK_GB_PER_S = 450.0
 INFINIBAND_GB_PER_S = 50.0
 CALL_OVERHEAD_MS = 3.0
