@@ -18,6 +18,7 @@ from megatron_async.config import load_config
 from megatron_async.observability.tracking import NullTracker
 from megatron_async.rollout.producer import RolloutBatch
 from megatron_async.run import trainer as trainer_mod
+from megatron_async.run.rank0 import Rank0
 from megatron_async.run.trainer import Trainer
 from megatron_async.weights.update import PushResult
 from tests.batches import scored_batch
@@ -171,8 +172,8 @@ def make_trainer(tmp_path, ctrl, *overrides, stale_once=(), skipped=False, bad_r
     events = Events()
     producer = FakeProducer(events, bad_rewards=bad_rewards, first_wait=bool(stale_once))
     rollout = FakeRollout(events, producer, FakePool(stale_once))
-    trainer = Trainer(config(tmp_path, *overrides), ctrl, FakeLearner(events, skipped), rollout, NullTracker(),
-                      tmp_path, FakeWeights(events), report=FakeReport())
+    trainer = Trainer(config(tmp_path, *overrides), ctrl, FakeLearner(events, skipped), Rank0(rollout, FakeReport(), NullTracker()),
+                      NullTracker(), tmp_path, FakeWeights(events))
     return trainer, events
 
 
@@ -193,7 +194,7 @@ def test_an_evaluation_during_the_run_is_recorded_with_the_step_whose_weights_it
     trainer.train()
     assert [e for e in events.log if e[0] == "evaluate"] == [("evaluate", "before", 0), ("evaluate", "step2", 2),
                                                              ("evaluate", "step4", 4), ("evaluate", "after", 5)]
-    assert {s: m.get("eval/held_out") for s, m in trainer.report.metrics.items()} == {0: None, 1: 0.25, 2: None,
+    assert {s: m.get("eval/held_out") for s, m in trainer.rank0.report.metrics.items()} == {0: None, 1: 0.25, 2: None,
                                                                                      3: 0.25, 4: None}
 
 
@@ -228,7 +229,7 @@ def test_close_closes_every_part_even_when_one_fails(tmp_path, one_rank_group):
     trainer.weights.close = broken
     with pytest.raises(OSError, match="sender already gone"):
         trainer.close()
-    assert trainer.rollout.closed and tracker_closed == [True]
+    assert trainer.rank0.rollout.closed and tracker_closed == [True]
 
 
 def test_build_closes_what_it_built_when_a_later_part_fails(tmp_path, one_rank_group, monkeypatch):
