@@ -195,7 +195,7 @@ def test_an_evaluation_during_the_run_is_recorded_with_the_step_whose_weights_it
     assert [e for e in events.log if e[0] == "evaluate"] == [("evaluate", "before", 0), ("evaluate", "step2", 2),
                                                              ("evaluate", "step4", 4), ("evaluate", "after", 5)]
     assert {s: m.get("eval/held_out") for s, m in trainer.rank0.report.metrics.items()} == {0: None, 1: 0.25, 2: None,
-                                                                                     3: 0.25, 4: None}
+                                                                                           3: 0.25, 4: None}
 
 
 def test_a_replica_reported_stale_during_a_wait_gets_the_current_version_first(tmp_path, one_rank_group, no_files):
