@@ -31,7 +31,7 @@ from megatron_async.observability.logs import attach_log_file
 from megatron_async.run.preflight import preflight
 from megatron_async.run.checkpoint import CheckpointSaveError
 from megatron_async.run.run_lock import RunLock
-from megatron_async.run.stop import StopSignals, Stopped, exit_status, resume_command, run_forwarding_signals, stop_at_once
+from megatron_async.run.stop import Stopped, StopSignals, exit_status, resume_command, run_forwarding_signals, stop_at_once
 from megatron_async.run.torchrun import torchrun_args
 from megatron_async.run.trainer import Trainer
 from megatron_async.weights.host_memory import sweep_dead_segments, unlink_live_segments
