@@ -54,6 +54,17 @@ load_placement() {
     eval "$layout"
 }
 
+# megatron-async torchrun-args prints TORCHRUN_ARGS, the arguments of python that start this node's
+# learner ranks under torchrun: written once (run/torchrun.py) for these scripts and our own relaunch,
+# with the stop flags derived from run.stop_deadline_s (torchrun forwards SIGUSR1 too: SLURM's warning,
+# each rank saves a checkpoint and exits 75, run/stop.py; it waits for that before it kills them).
+# Usage: load_torchrun_args CONFIG [overrides...] --nproc-per-node N [--nnodes N --node-rank R --master-addr A --master-port P]
+load_torchrun_args() {
+    local args
+    args=$("${VENV:-.venv}/bin/megatron-async" torchrun-args "$@")
+    eval "$args"
+}
+
 # megatron-async stop-plan prints the stop budget every launcher derives from run.stop_deadline_s
 # (STOP_DEADLINE_S, SHUTDOWN_TIMEOUT_S for torchrun, STOP_WARNING_S for SLURM) and LATEST_CHECKPOINT
 # (empty: nothing saved yet), from the config with its overrides: raise the deadline there, nowhere else.

@@ -69,10 +69,6 @@ if [[ $NPROC_PER_NODE == 0 ]]; then
     wait  # after a signal: until every server has stopped
     exit "$rc"
 fi
-# torchrun forwards SIGUSR1 too (SLURM's warning: each rank saves a checkpoint and exits 75,
-# run/stop.py) and waits SHUTDOWN_TIMEOUT_S (run.stop_deadline_s + 60 s) for that before it kills them.
-load_stop_plan "${ARGS[@]}"
-exec "${VENV:-.venv}/bin/python" -m torch.distributed.run --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
-    --shutdown-timeout="$SHUTDOWN_TIMEOUT_S" --nnodes="$TORCHRUN_NNODES" --node-rank="$TORCHRUN_NODE_RANK" \
-    --nproc-per-node="$NPROC_PER_NODE" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
-    -m megatron_async train "${ARGS[@]}"
+load_torchrun_args "${ARGS[@]}" --nproc-per-node "$NPROC_PER_NODE" --nnodes "$TORCHRUN_NNODES" \
+    --node-rank "$TORCHRUN_NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
+exec "${VENV:-.venv}/bin/python" "${TORCHRUN_ARGS[@]}"

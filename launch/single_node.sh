@@ -22,10 +22,6 @@ ARGS=("$CONFIG" placement.nnodes=1 "placement.gpus_per_node=$GPUS" "$@")
 load_placement 0 "${ARGS[@]}"   # sets NPROC_PER_NODE, LEARNER_GPUS, REPLICA_GPUS, WORLD_SIZE
 echo "[single_node] $GPUS GPUs: learner ranks on GPUs $LEARNER_GPUS, replicas on GPUs $REPLICA_GPUS"
 
-# --standalone: a rendezvous on localhost with a free port (no MASTER_ADDR/PORT needed).
-# torchrun forwards SIGUSR1 too (SLURM's warning: each rank saves a checkpoint and exits 75,
-# run/stop.py) and waits SHUTDOWN_TIMEOUT_S (run.stop_deadline_s + 60 s) for that before it kills them.
-load_stop_plan "${ARGS[@]}"
-exec "${VENV:-.venv}/bin/python" -m torch.distributed.run --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
-    --shutdown-timeout="$SHUTDOWN_TIMEOUT_S" --standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" \
-    -m megatron_async train "${ARGS[@]}"
+# The rendezvous on 127.0.0.1 at a free port (no MASTER_ADDR/PORT needed).
+load_torchrun_args "${ARGS[@]}" --nproc-per-node "$NPROC_PER_NODE"
+exec "${VENV:-.venv}/bin/python" "${TORCHRUN_ARGS[@]}"

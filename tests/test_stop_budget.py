@@ -21,7 +21,7 @@ import pytest
 
 from megatron_async.cli import main as cli_main
 from megatron_async.config import TORCHRUN_GRACE_S, load_config, stop_budget
-from megatron_async.run.launch import torchrun_stop_flags
+from megatron_async.run.torchrun import torchrun_stop_flags
 from tests.dist import REPO
 
 CFG = str(REPO / "configs" / "cpu_tiny.yaml")

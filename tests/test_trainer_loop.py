@@ -21,6 +21,7 @@ from megatron_async.observability.tracking import NullTracker
 from megatron_async.rollout.producer import RolloutBatch
 from megatron_async.run import trainer as trainer_mod
 from megatron_async.run.learner_state import LearnerState
+from megatron_async.run.rank0 import Rank0
 from megatron_async.run.report import StepReport
 from megatron_async.run.rollout_state import RolloutState
 from megatron_async.run.trainer import Trainer
@@ -177,9 +178,9 @@ def make_trainer(tmp_path, ctrl, *overrides, stale_once=(), skipped=False, bad_r
     producer = FakeProducer(events, bad_rewards=bad_rewards, first_wait=bool(stale_once))
     rollout = FakeRollout(events, producer, FakePool(stale_once))
     # the fakes stand in for the records Trainer takes: it calls only what they have
-    trainer = Trainer(config(tmp_path, *overrides), ctrl, cast(LearnerState, FakeLearner(events, skipped)),
-                      cast(RolloutState, rollout), NullTracker(), tmp_path, cast(WeightUpdate, FakeWeights(events)),
-                      report=cast(StepReport, FakeReport()))
+    rank0 = Rank0(cast(RolloutState, rollout), cast(StepReport, FakeReport()), NullTracker())
+    trainer = Trainer(config(tmp_path, *overrides), ctrl, cast(LearnerState, FakeLearner(events, skipped)), rank0,
+                      NullTracker(), tmp_path, cast(WeightUpdate, FakeWeights(events)))
     return trainer, events
 
 
@@ -200,8 +201,8 @@ def test_an_evaluation_during_the_run_is_recorded_with_the_step_whose_weights_it
     trainer.train()
     assert [e for e in events.log if e[0] == "evaluate"] == [("evaluate", "before", 0), ("evaluate", "step2", 2),
                                                              ("evaluate", "step4", 4), ("evaluate", "after", 5)]
-    assert {s: m.get("eval/held_out") for s, m in trainer.report.metrics.items()} == {0: None, 1: 0.25, 2: None,
-                                                                                     3: 0.25, 4: None}
+    assert {s: m.get("eval/held_out") for s, m in trainer.rank0.report.metrics.items()} == {0: None, 1: 0.25, 2: None,
+                                                                                           3: 0.25, 4: None}
 
 
 def test_a_replica_reported_stale_during_a_wait_gets_the_current_version_first(tmp_path, one_rank_group, no_files):
@@ -235,7 +236,7 @@ def test_close_closes_every_part_even_when_one_fails(tmp_path, one_rank_group):
     trainer.weights.close = broken
     with pytest.raises(OSError, match="sender already gone"):
         trainer.close()
-    assert trainer.rollout.closed and tracker_closed == [True]
+    assert trainer.rank0.rollout.closed and tracker_closed == [True]
 
 
 def test_build_closes_what_it_built_when_a_later_part_fails(tmp_path, one_rank_group, monkeypatch):

@@ -1,5 +1,6 @@
-"""One run of the job: the launcher (`launch`: torchrun, build, train, close), the loop (`trainer`),
-the learner's state and step on every rank (`learner_state`), rank 0's rollout side
+"""One run of the job: the launcher (`launch`: torchrun, build, train, close), the torchrun
+arguments (`torchrun`), the loop (`trainer`), the learner's state and step on every rank
+(`learner_state`), rank 0's part of the loop and its null twin (`rank0`), rank 0's rollout side
 (`rollout_state`), rank 0's per-step metrics and end-of-run report (`report`), the run checkpoint
 (`checkpoint`), stopping on a signal at a step boundary (`stop`), one run per folder (`run_lock`),
 the NaN guard (`bad_steps`), `rollout.max_lag: auto` (`adaptive_lag`), `trainer.auto_balance`

@@ -13,8 +13,8 @@ What schedulers send and what each rank does (`StopSignals`, installed on every 
                                                      75; the previous checkpoint is intact (saves
                                                      are atomic: a half-written one is never loaded)
     SIGINT (Ctrl-C) first                            KeyboardInterrupt as usual: everything is
-                                                     closed, and `run/launch.py` prints one line
-                                                     (the last checkpoint, how to resume), no traceback
+                                                     closed, and rank 0 prints one line (the last
+                                                     checkpoint, how to resume), no traceback
 
 A signal that several senders fan out to one rank (SLURM signals every process of a job step, and
 torchrun forwards what it receives to its workers) reaches that rank more than once within
@@ -28,12 +28,20 @@ for a batch), so no step, weight push or checkpoint is cut in half by a first si
 forked from a rank (dist_checkpointing's writers, forked for each save) is that rank's helper: it
 ignores SIGTERM and SIGUSR1, so a signal sent to every process of the job (`timeout`, SLURM) leaves
 the writes of the save it serves to finish; the rank decides when to stop.
+
+The launcher's side (`run/launch.py`): a run's last line on rank 0 says how it ended, what was
+saved and the command that continues it (`exit_status`, `resume_command`). A launcher that
+relaunched itself under torchrun forwards the signals it receives to the ranks and reports their
+stop as its own exit status (`run_forwarding_signals`).
 """
 from __future__ import annotations
 
 import logging
 import os
+import shlex
 import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -41,8 +49,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Callable
 
+import psutil
 import torch
 import torch.distributed as dist
+
+from megatron_async.config import Config
+from megatron_async.run.checkpoint import CheckpointSaveError, latest_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -139,3 +151,68 @@ def stop_at_once(reason: str, unlink: Callable[[], int]) -> None:
     log.error("stopping at once: %s; %d shared-memory segment(s) removed; the previous checkpoint is intact", reason, freed)
     logging.shutdown()
     os._exit(EXIT_REQUEUE)
+
+
+# -- the launcher's side ----------------------------------------------------------------------------
+def exit_status(ended: Stopped | KeyboardInterrupt | CheckpointSaveError | None, cfg: Config, resume: str,
+                relaunched: bool) -> int:
+    """A learner rank's exit status for how its run `ended` (None: every step ran); rank 0 says in
+    one line what was saved and how to continue (`resume`). `relaunched`: under this command's own
+    relaunch, whose launcher reports a stop (torchrun would call EXIT_REQUEUE a failure)."""
+    if ended is None:
+        return 0
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"megatron-async: {_how_it_ended(ended, cfg, resume)}", file=sys.stderr)
+    if isinstance(ended, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(ended, CheckpointSaveError):
+        return 1
+    return 0 if relaunched else EXIT_REQUEUE
+
+
+def _how_it_ended(ended: Stopped | KeyboardInterrupt | CheckpointSaveError, cfg: Config, resume: str) -> str:
+    if isinstance(ended, Stopped):
+        return (f"stopped by {ended.signal} at step {ended.next_step} of {cfg.trainer.steps}; "
+                f"checkpoint {ended.checkpoint}; continue with: {resume}")
+    last = latest_checkpoint(cfg)
+    if isinstance(ended, KeyboardInterrupt):
+        saved = f"the last checkpoint is {last}" if last else "no checkpoint was saved yet"
+        return f"interrupted (Ctrl-C); {saved}; continue with: {resume}"
+    # a save failed (a full disk, a read-only folder), on every rank
+    return f"{ended}; once that is fixed, continue with: {resume}" if last else str(ended)
+
+
+def resume_command(config_path: str, overrides: list[str]) -> str:
+    """The command that continues this run: from `latest`, which a run.resume_from run has moved to
+    its own checkpoints, so that override is left out (repeated, it would go back again)."""
+    kept = [o for o in overrides if not o.startswith("run.resume_from=")]
+    return shlex.join(["megatron-async", "train", config_path, *kept, "--resume"])
+
+
+def run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> int:
+    """Run torchrun; SIGTERM, SIGUSR1 and SIGINT sent to this launcher go to the ranks (torchrun's
+    children; torchrun itself until it has started them). Exit: the ranks' status, or EXIT_REQUEUE
+    when a stop signal was forwarded and the ranks stopped cleanly.
+
+    torchrun runs in a process group of its own (its ranks in sessions of their own, torchrun's
+    doing), so a signal to this launcher's group (`timeout`, `kill -TERM -PGID`, Ctrl-C) reaches
+    the ranks once, through here: torchrun itself, signalled, would stop its agent with an error
+    (exit 1, SignalException) while the ranks still save."""
+    proc = subprocess.Popen(cmd, env=env, process_group=0)
+    forwarded: list[int] = []
+
+    def forward(signum, frame):
+        forwarded.append(signum)
+        ranks = psutil.Process(proc.pid).children()
+        for target in ranks or [proc]:
+            target.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (*STOP_SIGNALS, signal.SIGINT)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if code == 0 and any(sig in STOP_SIGNALS for sig in forwarded):
+        return EXIT_REQUEUE
+    return code

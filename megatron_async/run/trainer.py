@@ -22,15 +22,14 @@ rank saves a checkpoint at that boundary and `train` returns a `Stopped` record.
 the batches of its old weights as usual, unless no replica is up any more (SLURM's SIGTERM reaches
 them too): then the checkpoint holds none of those batches, and the resumed run generates them again.
 
-State: `learner` (every rank: models, optimizers, the algorithm; `run/learner_state.py`),
-`rollout` (rank 0 only, None elsewhere: prompts, pool, scorer, producer, the lag and balance
-controllers; `run/rollout_state.py`) and `report` (rank 0 only: metric history, console line,
-end-of-run report; `run/report.py`).
+State: `learner` (every rank: models, optimizers, the algorithm; `run/learner_state.py`) and
+`rank0` (`run/rank0.py`): on rank 0 its rollout side (prompts, pool, scorer, producer, the lag and
+balance controllers; `run/rollout_state.py`) and step report (metric history, console line,
+end-of-run report; `run/report.py`), on the other ranks a null twin that does nothing.
 """
 from __future__ import annotations
 
 import logging
-import socket
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,10 +47,11 @@ from megatron_async.models.base_model import load_tokenizer, prepare_base_model
 from megatron_async.observability.timing import StepTimer
 from megatron_async.observability.tracking import Tracker, build_tracker
 from megatron_async.rollout.build import replica_urls
-from megatron_async.rollout.producer import RolloutBatch, RolloutProducer
+from megatron_async.rollout.producer import RolloutBatch
 from megatron_async.run import faults
 from megatron_async.run.checkpoint import RunCheckpoints, latest_checkpoint, load_run_checkpoint, resume_checkpoint
 from megatron_async.run.learner_state import LearnerState
+from megatron_async.run.rank0 import NullRank0, Rank0
 from megatron_async.run.report import StepReport
 from megatron_async.run.rollout_state import RolloutState
 from megatron_async.run.sft import run_sft
@@ -68,12 +68,11 @@ class Trainer:
     cfg: Config
     ctrl: dist.ProcessGroup  # gloo group for control messages (objects) on CPU and GPU alike
     learner: LearnerState
-    rollout: RolloutState | None  # rank 0 only
+    rank0: Rank0 | NullRank0  # rank 0's rollout side, step report and evaluation; a null twin elsewhere
     tracker: Tracker
     init_model: Path  # HF checkpoint of version 0 (the SFT model): replicas start from it
     weights: WeightUpdate  # every rank: one vLLM weight update end to end (weights/update.py)
     start_step: int = 0
-    report: StepReport | None = None  # rank 0 only
     stop: StopSignals | None = None  # signals that stop the run at a step boundary (None: not listened to)
     checkpoints: RunCheckpoints = field(init=False)  # the run's saves, in the background with trainer.async_save
 
@@ -87,9 +86,8 @@ class Trainer:
         the reward model's worker, the weight senders) is closed again before the error propagates."""
         layout = init_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.run.seed, device_index=learner_device_index(cfg))
         ctrl = dist.new_group(backend="gloo")
-        rank0 = layout.rank == 0
         with ExitStack() as built:
-            if rank0:  # builds the tiny base model if the config asks for one; the others wait for it
+            if layout.rank == 0:  # builds the tiny base model if the config asks for one; the others wait for it
                 cfg.run_dir.mkdir(parents=True, exist_ok=True)
                 save_config(cfg, cfg.run_dir / "config.yaml")
                 prepare_base_model(cfg)
@@ -105,16 +103,14 @@ class Trainer:
                 with unpinned_before_replicas():  # nothing else runs yet: SFT may use every core
                     init_model = run_sft(cfg, base, tokenizer, layout, tracker)
             learner = LearnerState.build(cfg, init_model, layout, tokenizer.pad_token_id)
-            rollout = RolloutState.build(cfg, tokenizer, init_model) if rank0 else None
-            if rollout is not None:
-                built.callback(rollout.close)
-            where = (rollout.pool.urls, rollout.pool.key, socket.gethostname()) if rollout is not None else None
-            urls, key, replica_machine = from_rank0(where, ctrl)
+            rank0 = (Rank0(RolloutState.build(cfg, tokenizer, init_model), StepReport(cfg, tracker), tracker)
+                     if layout.rank == 0 else NullRank0())
+            built.callback(rank0.close)
+            urls, key, replica_machine = from_rank0(rank0.replica_address(), ctrl)
             check_reachable(replica_machine, urls)  # loopback replicas seen from another machine
-            weights = build_weight_update(cfg, layout, ctrl, rollout.pool if rollout is not None else None, urls, key)
+            weights = build_weight_update(cfg, layout, ctrl, rank0.pool, urls, key)
             built.callback(weights.close)
-            trainer = cls(cfg, ctrl, learner, rollout, tracker, init_model, weights,
-                          report=StepReport(cfg, tracker) if rank0 else None, stop=stop)
+            trainer = cls(cfg, ctrl, learner, rank0, tracker, init_model, weights, stop=stop)
             if cfg.run.resume:
                 trainer._resume()
             elif replica_urls(cfg):  # servers started elsewhere serve the base model, not necessarily init_model
@@ -126,24 +122,16 @@ class Trainer:
         path = resume_checkpoint(self.cfg)
         if path is None:  # the preflight refuses a resume without a checkpoint
             raise FileNotFoundError(f"run.resume: no checkpoint under {self.cfg.run_dir}")
-        self.start_step = self.learner.version = load_run_checkpoint(self.cfg, self.learner, path, self.rollout, self.report)
+        self.start_step = self.learner.version = load_run_checkpoint(self.cfg, self.learner, path, self.rank0.rollout,
+                                                                      self.rank0.report)
         self.weights.push(self.learner.version, iter_hf_weights(self.learner.policy.model))  # replicas started from version 0
-
-    @property
-    def producer(self) -> RolloutProducer:
-        """Rank 0's running producer. The rollout side lives on rank 0 only: the `ready` callbacks of
-        `_wait_until`, which read it, run there only."""
-        if self.rollout is None or self.rollout.producer is None:
-            raise RuntimeError("the rollout producer lives on rank 0 only, once started (RolloutState.start_producer)")
-        return self.rollout.producer
 
     # -- the loop -----------------------------------------------------------------------------------
     def train(self) -> Stopped | None:
         """The run's steps; None when they all ran, a `Stopped` record when a signal stopped them."""
-        cfg, t = self.cfg, self.cfg.trainer
-        before = self._evaluate("before") if self.start_step == 0 else None
-        if self.rollout is not None:
-            self.rollout.start_producer(first_batch=self.start_step)
+        t = self.cfg.trainer
+        before = self.rank0.evaluate("before", self.learner.version) if self.start_step == 0 else None
+        self.rank0.start_producer(first_batch=self.start_step)
         guard = BadStepGuard(t.max_bad_steps, steps_to_run=t.steps - self.start_step)
         saved: Path | None = None  # the checkpoint of the last boundary, if one was saved there
         for step in range(self.start_step, t.steps):
@@ -157,85 +145,61 @@ class Trainer:
                 if planned is None:  # a stop signal came while rank 0 waited for this batch
                     return self._stop_at(step, saved)
                 batch, updates = planned
-                if self.rollout is not None:
-                    faults.restart_replica_at(step, self.rollout.pool, self.producer)
+                self.rank0.restart_replica_at(step)  # fault injection only (run/faults.py)
                 with timer("train"):
                     faults.signal_during("train", step)
-                    metrics = self.learner.step(batch, step, updates)
+                    learned = self.learner.step(batch, step, updates)
                 with timer("learner_wait_old"):  # the old weights serve batches up to step + max_lag
-                    replicas_left = self._wait_until(lambda: self.producer.old_weights_done(step),
+                    replicas_left = self._wait_until(lambda r0: r0.producer.old_weights_done(step),
                                                      give_up=self._replicas_gone_while_stopping)
                 with timer("sync"):
                     synced = self._push(step + 1) if replicas_left else PushResult(replicas=0)
-                held_out = None
-                if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
-                    held_out = self._evaluate(f"step{step + 1}")  # replicas hold version step+1 until the next push
-                if self.rollout is not None:
-                    self.producer.notify_synced(step + 1)
-            metrics.update({**timer.metrics(), "weight_sync/gb_per_s": synced.gb_per_s,
-                            "weight_sync/delta": float(synced.delta),  # only changed elements were sent
-                            "timing/generation_s": batch.gen_seconds, "timing/reward_s": batch.score_seconds})
-            if synced.changed_fraction is not None:
-                metrics["weight_sync/changed_fraction"] = synced.changed_fraction
-            if held_out is not None:  # also in the tracker by policy version (eval/pass_at_1): here for the plot
-                metrics["eval/held_out"] = held_out
-            if self.rollout is not None and self.report is not None:  # rank 0
-                metrics.update(self.rollout.step_metrics())
-                self.report.record(step, batch, metrics)
-                self.rollout.after_step(step, batch, metrics)
-            saved = None
-            if (t.checkpoint_every and (step + 1) % t.checkpoint_every == 0) or step + 1 == t.steps:
-                saved = self._checkpoint(next_step=step + 1)
-                faults.crash_after_checkpoint(step + 1, self.checkpoints)
+                held_out = self._evaluate_during_run(version=step + 1)
+                self.rank0.notify_synced(step + 1)
+            metrics = step_metrics(learned, timer, synced, batch, held_out)
+            self.rank0.record(step, batch, metrics)
+            saved = self._checkpoint_if_due(next_step=step + 1)
             if stop := guard.record(step, batch, metrics):
                 path = saved or self._checkpoint(next_step=step + 1)
                 self.checkpoints.wait()
                 raise RuntimeError(f"{stop}; stopping. The last good weights are in {path}")
         if self._stopping():  # during the last step: the final evaluation and export wait for --resume
             return self._stop_at(t.steps, saved)
-        after = self._evaluate("after")
-        export_hf(self.learner.policy.model, cfg.run_dir / "hf_final", tokenizer_dir=self.init_model)
-        self.checkpoints.wait()  # the last step's save, written meanwhile
-        if self.rollout is not None and self.report is not None:  # rank 0
-            self.report.finish(before, after, len(self.rollout.eval_prompts), latest_checkpoint(cfg),
-                               resumed_at=self.start_step if cfg.run.resume else None)
+        self._finish(before)
         return None
+
+    def _finish(self, before: float | None) -> None:
+        """All ranks, after the last step: the final evaluation, the HF export, rank 0's report."""
+        after = self.rank0.evaluate("after", self.learner.version)
+        export_hf(self.learner.policy.model, self.cfg.run_dir / "hf_final", tokenizer_dir=self.init_model)
+        self.checkpoints.wait()  # the last step's save, written meanwhile
+        self.rank0.finish(before, after, latest_checkpoint(self.cfg), resumed_at=self.start_step if self.cfg.run.resume else None)
 
     def _next_batch(self, step: int) -> tuple[RolloutBatch, int] | None:
         """All ranks: batch `step`, once rank 0's producer has generated it, and T, the passes over it;
         None if a stop signal reached rank 0 first."""
-        if not self._wait_until(lambda: self.producer.has(step), give_up=self._stop_requested):
+        if not self._wait_until(lambda r0: r0.producer.has(step), give_up=lambda r0: self._stop_requested()):
             return None
-        plan = (self.producer.take(step), self.rollout.updates_per_batch()) if self.rollout is not None else None
-        return from_rank0(plan, self.ctrl)
+        return from_rank0(self.rank0.take(step), self.ctrl)
 
-    def _wait_until(self, ready: Callable[[], bool], give_up: Callable[[], bool] | None = None) -> bool:
-        """All ranks: wait until rank 0's `ready()` holds (True), or until its `give_up()` does (False);
-        push weights to restarted replicas meanwhile."""
+    def _wait_until(self, ready: Callable[[Rank0], bool], give_up: Callable[[Rank0], bool]) -> bool:
+        """All ranks: wait until rank 0's `ready` holds (True), or until its `give_up` does (False);
+        push weights to restarted replicas meanwhile (`Rank0.next_command`)."""
         while True:
-            command: tuple[str, list[int]] | None = None
-            if self.rollout is not None:
-                if give_up is not None and give_up():
-                    command = ("stop", [])
-                elif stale := [r.replica_id for r in self.rollout.pool.replicas_needing_weights(wait_s=0)]:
-                    command = ("resync", stale)  # before `ready`: a full push leaves restarted replicas out
-                elif ready():
-                    command = ("ready", [])
-                else:
-                    self.producer.wait(1.0)
-                    continue
-            kind, replica_ids = from_rank0(command, self.ctrl)
+            kind, replica_ids = from_rank0(self.rank0.next_command(ready, give_up), self.ctrl)
             if kind in ("ready", "stop"):
                 return kind == "ready"
             log.warning("replicas %s restarted: pushing the learner's current weights (v%d)",
                         replica_ids, self.learner.version)
             self.weights.push(self.learner.version, iter_hf_weights(self.learner.policy.model), replica_ids)
 
-    def _evaluate(self, tag: str) -> float | None:
-        """Rank 0: held-out greedy reward through the replicas (None elsewhere, or without eval prompts)."""
-        if self.rollout is None:
-            return None
-        return self.rollout.evaluate(tag, self.learner.version, self.tracker)
+    def _evaluate_during_run(self, version: int) -> float | None:
+        """Every trainer.eval_every steps but the last: the held-out reward of `version`, just pushed,
+        which the replicas hold until the next push (rank 0; None elsewhere, or when not due)."""
+        t = self.cfg.trainer
+        if t.eval_every and version % t.eval_every == 0 and version < t.steps:
+            return self.rank0.evaluate(f"step{version}", version)
+        return None
 
     def _push(self, version: int) -> PushResult:
         """The step's weight push. Once a stop signal came, a failed push (a scheduler's SIGTERM also
@@ -253,11 +217,10 @@ class Trainer:
         """Rank 0: a stop signal reached this rank."""
         return self.stop is not None and self.stop.requested
 
-    def _replicas_gone_while_stopping(self) -> bool:
+    def _replicas_gone_while_stopping(self, rank0: Rank0) -> bool:
         """Rank 0: a stop signal came and no replica is up: the batches of the old weights will not come,
         and the step's push has no receiver (module docstring)."""
-        pool = self.rollout.pool if self.rollout is not None else None
-        if not (self._stop_requested() and pool is not None and not pool.up(range(len(pool.urls)))):
+        if not (self._stop_requested() and not rank0.pool.up(range(len(rank0.pool.urls)))):
             return False
         log.warning("stopping with no replica up: the checkpoint at this boundary holds no batch generated after "
                     "it, and the push is skipped; the resumed run generates those batches with its weights")
@@ -275,15 +238,38 @@ class Trainer:
         self.checkpoints.wait()  # the save under way, this boundary's or an earlier one
         return Stopped((self.stop.signal if self.stop is not None else None) or "SIGTERM", next_step, path)
 
+    def _checkpoint_if_due(self, next_step: int) -> Path | None:
+        """The checkpoint every trainer.checkpoint_every steps and after the last; None where none is due."""
+        t = self.cfg.trainer
+        if not ((t.checkpoint_every and next_step % t.checkpoint_every == 0) or next_step == t.steps):
+            return None
+        saved = self._checkpoint(next_step)
+        faults.crash_after_checkpoint(next_step, self.checkpoints)
+        return saved
+
     def _checkpoint(self, next_step: int) -> Path:
-        return self.checkpoints.save(next_step, self.rollout, self.report)
+        return self.checkpoints.save(next_step, self.rank0.rollout, self.rank0.report)
 
     def close(self) -> None:
         """Every rank: the senders, the rollout side (producer, replicas, scorer), the tracker; each
         closed even if one before it fails (the first error is raised after all of them ran)."""
         with ExitStack() as closing:  # runs in reverse order of registration
             closing.callback(self.tracker.close)
-            if self.rollout is not None:
-                closing.callback(self.rollout.close)
+            closing.callback(self.rank0.close)
             closing.callback(self.weights.close)
             closing.callback(self.checkpoints.close)
+
+
+def step_metrics(learned: dict[str, float], timer: StepTimer, synced: PushResult, batch: RolloutBatch,
+                 held_out: float | None) -> dict[str, float]:
+    """Every rank's metrics of one step: the learner's (`learned`), timing/*, the weight push's, the
+    batch's generation and scoring time, and the held-out reward where one was evaluated (rank 0
+    adds its own: `Rank0.record`)."""
+    metrics = {**learned, **timer.metrics(), "weight_sync/gb_per_s": synced.gb_per_s,
+               "weight_sync/delta": float(synced.delta),  # only changed elements were sent
+               "timing/generation_s": batch.gen_seconds, "timing/reward_s": batch.score_seconds}
+    if synced.changed_fraction is not None:
+        metrics["weight_sync/changed_fraction"] = synced.changed_fraction
+    if held_out is not None:  # also in the tracker by policy version (eval/pass_at_1): here for the plot
+        metrics["eval/held_out"] = held_out
+    return metrics
