@@ -167,7 +167,7 @@ def main():
         if last_sender:
             killing.arm(pid, KILL_AT)
         push("killed", 4)
-        if layout.rank == 0:  # what the trainer's wait re-syncs next: replica 1 is restarting, not up
+        if pool is not None:  # rank 0: what the trainer's wait re-syncs next: replica 1 is restarting, not up
             pushes[-1]["needing_weights"] = [r.replica_id for r in pool.replicas_needing_weights(wait_s=0)]
         push("killed", 4, [0])
         sample("survivor", 4)
