@@ -7,10 +7,10 @@ import json
 from megatron_async.config import load_config
 from megatron_async.data import PromptIterator, TokenizedPrompt
 from megatron_async.data.problem import Problem
-from megatron_async.rollout.pool import Completion
 from megatron_async.rollout.producer import RolloutBatch, RolloutProducer
 from megatron_async.run.report import StepReport
 from megatron_async.run.rollout_state import RolloutState, build_controllers
+from megatron_async.sample import Sample
 
 AUTO = ["rollout.max_lag=auto", "rollout.lag_cap=3", "trainer.auto_balance=true", "trainer.max_updates_per_batch=3",
         "rollout.k=2", "rollout.max_k=4", "rollout.prompts_per_step=2", "trainer.steps=10"]
@@ -42,11 +42,11 @@ def test_the_controllers_state_round_trips():
 
 
 def batch(index: int, prompts: list[TokenizedPrompt], k: int, data_state: dict) -> RolloutBatch:
-    completions = [[Completion(prompt_index=i, sample_index=j, prompt_token_ids=tuple(p.ids), token_ids=(3, 4),
-                               logprobs=(-0.5, -0.25), finish_reason="stop", replica_id=0, policy_version=index,
-                               policy_version_max=index) for j in range(k)] for i, p in enumerate(prompts)]
-    return RolloutBatch(index=index, policy_version=index, problems=[p.problem for p in prompts],
-                        completions=completions, rewards=[[1.0, None][:k]] * len(prompts), data_state=data_state)
+    samples = [Sample(prompt_index=i, prompt_token_ids=tuple(p.ids), token_ids=(3, 4), logprobs=(-0.5, -0.25),
+                      reward=[1.0, None][j], policy_version=index, sample_index=j, replica_id=0, policy_version_max=index)
+               for i, p in enumerate(prompts) for j in range(k)]
+    return RolloutBatch(index=index, policy_version=index, problems=[p.problem for p in prompts], samples=samples,
+                        data_state=data_state)
 
 
 def rollout_state(cfg) -> RolloutState:

@@ -25,8 +25,9 @@ from __future__ import annotations
 import torch
 
 from megatron_async.algorithms.base import Algorithm, LearnerModels, Microbatch, real_rows_of, scatter_rows
-from megatron_async.algorithms.batching import Sample, group_samples
+from megatron_async.algorithms.batching import group_samples
 from megatron_async.algorithms.losses import masked_mean
+from megatron_async.sample import Sample
 
 STD_EPS = 1e-4
 

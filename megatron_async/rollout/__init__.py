@@ -6,9 +6,9 @@ servers on this machine, one process group each; pool.py: dispatch, versions, we
 phases and faults; producer.py: the thread that keeps the replicas busy.
 """
 from megatron_async.rollout.launcher import PoolError
-from megatron_async.rollout.pool import Completion, ReplicaInfo, ReplicaPool
+from megatron_async.rollout.pool import ReplicaInfo, ReplicaPool
 from megatron_async.rollout.replica import ReplicaClient, ReplicaError, ReplicaSpec, Sampling
 
 __all__ = [
-    "Completion", "PoolError", "ReplicaClient", "ReplicaError", "ReplicaInfo", "ReplicaPool", "ReplicaSpec", "Sampling",
+    "PoolError", "ReplicaClient", "ReplicaError", "ReplicaInfo", "ReplicaPool", "ReplicaSpec", "Sampling",
 ]
