@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_async.algorithms import ALGORITHMS, Algorithm
-from megatron_async.algorithms.grpo import group_advantages
+from megatron_async.algorithms.losses import group_advantages
 from megatron_async.algorithms.off_policy import behaviour_weights, sequence_weights, staleness_stats
 from megatron_async.config import ConfigError, TrainerConfig, load_config
 from megatron_async.rollout.producer import RolloutBatch, RolloutProducer
