@@ -1,10 +1,10 @@
 """Well-typed `RolloutBatch`es for tests that fake the rollout side: real `Problem`s and
-`Completion`s (two tokens each), so a fake never hands the learner or the loop a field of the wrong type."""
+`Sample`s (two tokens each), so a fake never hands the learner or the loop a field of the wrong type."""
 from __future__ import annotations
 
 from megatron_async.data.problem import Problem
-from megatron_async.rollout.pool import Completion
 from megatron_async.rollout.producer import RolloutBatch
+from megatron_async.sample import Sample
 
 
 def problems(n: int) -> list[Problem]:
@@ -14,9 +14,7 @@ def problems(n: int) -> list[Problem]:
 
 def scored_batch(rewards: list[list[float | None]], index: int = 0, policy_version: int = 0) -> RolloutBatch:
     """Prompts x K completions with these rewards (K = the length of each row), sampled at `policy_version`."""
-    completions = [[Completion(prompt_index=i, sample_index=j, prompt_token_ids=(1, 2), token_ids=(3, 4),
-                               logprobs=(-0.5, -0.25), finish_reason="stop", replica_id=0,
-                               policy_version=policy_version, policy_version_max=policy_version)
-                    for j in range(len(row))] for i, row in enumerate(rewards)]
-    return RolloutBatch(index=index, policy_version=policy_version, problems=problems(len(rewards)),
-                        completions=completions, rewards=[list(row) for row in rewards])
+    samples = [Sample(prompt_index=i, prompt_token_ids=(1, 2), token_ids=(3, 4), logprobs=(-0.5, -0.25), reward=reward,
+                      policy_version=policy_version, sample_index=j, replica_id=0, policy_version_max=policy_version)
+               for i, row in enumerate(rewards) for j, reward in enumerate(row)]
+    return RolloutBatch(index=index, policy_version=policy_version, problems=problems(len(rewards)), samples=samples)

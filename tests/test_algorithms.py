@@ -9,9 +9,9 @@ from megatron_async import algorithms
 from megatron_async.algorithms import ALGORITHMS
 from megatron_async.algorithms.base import Algorithm, Microbatch, attach
 from megatron_async.config import TrainerConfig
-from megatron_async.algorithms.batching import Sample
 from megatron_async.algorithms.losses import dpo_loss, sequence_logprobs
 from megatron_async.algorithms.ppo import PPO
+from megatron_async.sample import Sample
 
 
 K = 2  # completions per prompt of the batches these tests build
@@ -26,8 +26,8 @@ def ppo_algo(**trainer) -> PPO:
 
 
 def sample(prompt, reward, n_completion=3, lp=-1.0):
-    return Sample(prompt_index=prompt, prompt_ids=[5, 6], completion_ids=[7] * n_completion,
-                  logprobs=[lp] * n_completion, reward=reward, version=0)
+    return Sample(prompt_index=prompt, prompt_token_ids=[5, 6], token_ids=[7] * n_completion,
+                  logprobs=[lp] * n_completion, reward=reward, policy_version=0)
 
 
 class FixedModels:
@@ -306,7 +306,7 @@ def test_token_budget_groups_hold_every_row_once_under_the_budget_and_the_row_ca
     from megatron_async.algorithms.base import token_budget_groups
 
     rows = varied(13)
-    length = [len(r.prompt_ids) + len(r.completion_ids) for r in rows]
+    length = [len(r.prompt_token_ids) + len(r.token_ids) for r in rows]
     groups = token_budget_groups(rows, per_unit=1, max_rows=4, max_tokens=24)
     assert sorted(i for g in groups for i in g) == list(range(13))
     for g in groups:
@@ -323,7 +323,7 @@ def test_token_budget_microbatches_pad_each_to_its_own_longest_row_and_pad_less(
     by_rows = rloo.microbatches(rows, pad_id=0, micro_batch_size=4)
     by_tokens = rloo.microbatches(rows, pad_id=0, micro_batch_size=4, max_tokens=24)
     for mb in by_tokens:
-        lengths = [len(rows[i].prompt_ids) + len(rows[i].completion_ids) for i in mb["row_index"].tolist()]
+        lengths = [len(rows[i].prompt_token_ids) + len(rows[i].token_ids) for i in mb["row_index"].tolist()]
         assert mb["input_ids"].shape == (len(lengths), max(lengths)) and mb["real_rows"] == len(lengths)
         assert mb["row_weight"].tolist() == [1.0] * len(lengths)
     assert sum(mb["loss_scale"].item() for mb in by_tokens) / len(by_tokens) == pytest.approx(1.0)
@@ -346,7 +346,7 @@ def test_on_gpu_a_microbatch_length_is_rounded_up_and_the_budget_counts_it():
     for mb in rounded:
         b, s = mb["input_ids"].shape
         assert s % 8 == 0 and (b == 1 or b * s <= 256), (b, s)
-        assert s - 8 < max(len(rows[i].prompt_ids) + len(rows[i].completion_ids) for i in mb["row_index"].tolist())
+        assert s - 8 < max(len(rows[i].prompt_token_ids) + len(rows[i].token_ids) for i in mb["row_index"].tolist())
     assert [mb["input_ids"].shape[1] for mb in rounded] == [128, 72, 8]
     assert sorted(i for mb in rounded for i in mb["row_index"].tolist()) == list(range(len(rows)))
     assert sum(mb["loss_mask"].sum().item() for mb in rounded) == sum(mb["loss_mask"].sum().item() for mb in exact)

@@ -1,34 +1,22 @@
 """DPO pairing (ties skipped and counted), RLOO grouping, best-of-K selection and padding."""
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_async.algorithms.batching import (
-    Sample,
     build_dpo_pairs,
     collate,
     group_samples,
     select_best_of_k,
 )
 from megatron_async.algorithms.losses import sequence_logprobs
+from megatron_async.sample import Sample
 
 
 def make(prompt_index, reward, completion=(7, 8), prompt=(1, 2, 3), version=0):
     logprobs = [-0.1 * (i + 1) - prompt_index for i in range(len(completion))]
     return Sample(prompt_index, list(prompt), list(completion), logprobs, reward, version)
-
-
-def test_from_rollout_completion():
-    from megatron_async.rollout.pool import Completion
-
-    c = Completion(prompt_index=3, sample_index=1, prompt_token_ids=(1, 2), token_ids=(5, 6, 2),
-                   logprobs=(-0.5, -0.25, -1.0), finish_reason="stop", replica_id=1, policy_version=4, policy_version_max=4)
-    s = Sample.from_completion(c, reward=1.0)
-    assert (s.prompt_index, list(s.prompt_ids), list(s.completion_ids), s.version, s.replica_id) == (3, [1, 2], [5, 6, 2], 4, 1)
-    gen_logprobs = collate([s], pad_id=0).gen_logprobs
-    assert gen_logprobs is not None and gen_logprobs.tolist() == [[0.0, 0.0, -0.5, -0.25, -1.0]]
 
 
 def test_dpo_pairs_best_vs_worst_ties_skipped_and_counted():
@@ -83,22 +71,21 @@ def test_collate_layout_and_alignment():
     a = Sample(0, [11, 12], [21, 22, 23], [-1.0, -2.0, -3.0], 1.0, 5)
     b = Sample(1, [13, 14, 15], [24], [-4.0], 0.0, 6)
     batch = collate([a, b], pad_id=0)
+    # right padding: a row's pads follow all its real tokens, so under the learner's causal attention
+    # (the only mask it passes) no real token sees one, and no loss reads one (off the completion mask)
     assert batch.input_ids.tolist() == [[11, 12, 21, 22, 23], [13, 14, 15, 24, 0]]
-    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
     assert batch.completion_mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 1, 0]]
     assert batch.gen_logprobs is not None
     assert batch.gen_logprobs.tolist() == [[0, 0, -1.0, -2.0, -3.0], [0, 0, 0, -4.0, 0]]
-    assert batch.rewards.tolist() == [1.0, 0.0] and batch.versions.tolist() == [5, 6]
+    assert batch.rewards.tolist() == [1.0, 0.0]
     # the mask picks out exactly each completion's tokens, and the losses' sums agree
     for row, s in zip(range(2), (a, b)):
-        assert batch.input_ids[row][batch.completion_mask[row].bool()].tolist() == s.completion_ids
+        assert batch.input_ids[row][batch.completion_mask[row].bool()].tolist() == s.token_ids
     assert sequence_logprobs(batch.gen_logprobs, batch.completion_mask).tolist() == [-6.0, -4.0]
     assert collate([a, b], pad_id=0, pad_to_multiple_of=4).input_ids.shape == (2, 8)
 
 
 def test_collate_errors_name_the_sample():
-    with pytest.raises(ValueError, match=r"prompt 0: 2 prompt \+ 3 completion tokens > max_len=4"):
-        collate([Sample(0, [1, 2], [3, 4, 5], None, 1.0, 0)], pad_id=0, max_len=4)
     with pytest.raises(ValueError, match="prompt 2: 1 logprobs for 2 completion tokens"):
         collate([Sample(2, [1], [3, 4], [-1.0], 1.0, 0)], pad_id=0)
     with pytest.raises(ValueError, match="some samples have generating logprobs"):
@@ -121,4 +108,3 @@ def test_dpo_pairs_collate_to_adjacent_rows():
     logps = sequence_logprobs(batch.gen_logprobs, batch.completion_mask)
     assert logps[0::2].tolist() == pytest.approx([-0.1 - 0.2 - 0.3, -1.1])
     assert logps[1::2].tolist() == pytest.approx([-0.1, -1.1])
-    assert batch.to(torch.device("cpu")).input_ids.equal(batch.input_ids)

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from megatron_async.algorithms import ALGORITHMS, Algorithm
-from megatron_async.algorithms.batching import Sample
-from megatron_async.algorithms.grpo import group_advantages
 from megatron_async.algorithms.base import attach
+from megatron_async.algorithms.losses import group_advantages
 from megatron_async.algorithms.off_policy import Correction, behaviour_weights, sequence_weights, staleness_stats
 from megatron_async.algorithms.ppo import PPO
 from megatron_async.config import ConfigError, TrainerConfig, load_config
 from megatron_async.rollout.producer import RolloutBatch, RolloutProducer
 from megatron_async.run.adaptive_lag import AdaptiveLag
+from megatron_async.sample import Sample
 
 
 K = 2  # completions per prompt of the batches these tests build
@@ -26,8 +26,8 @@ def algo(name: str, correction: Correction = "none", **trainer) -> Algorithm:
 
 
 def sample(prompt, reward, n=2, lp=-1.0):
-    return Sample(prompt_index=prompt, prompt_ids=[5, 6], completion_ids=[7] * n, logprobs=[lp] * n, reward=reward,
-                  version=0)
+    return Sample(prompt_index=prompt, prompt_token_ids=[5, 6], token_ids=[7] * n, logprobs=[lp] * n, reward=reward,
+                  policy_version=0)
 
 
 class OldModels:
@@ -171,7 +171,7 @@ def test_admission_stays_exact_when_the_lag_changes_between_batches():
         version = held["version"]  # the completions report the weights they were sampled under
         if index == 3:
             gate.wait(5)  # batch 3 is in flight while the learner asks to push
-        return RolloutBatch(index=index, policy_version=version, problems=[], completions=[], rewards=[])
+        return RolloutBatch(index=index, policy_version=version, problems=[], samples=[])
 
     prod = RolloutProducer(make_batch, max_lag=2, last_batch=7)
     prod.start()

@@ -26,7 +26,7 @@ class Recorder:
             self.started.append(index)
             self.started_under[index] = self.announced
         # the replicas hold the announced version: the batch's completions report it
-        return RolloutBatch(index=index, policy_version=self.announced, problems=[], completions=[], rewards=[])
+        return RolloutBatch(index=index, policy_version=self.announced, problems=[], samples=[])
 
 
 def sync(prod, maker, version):
@@ -106,7 +106,7 @@ def test_push_waits_for_the_batch_in_flight_only_between_batches(during):
 def test_resume_with_buffered_batches():
     maker = Recorder()
     maker.announced = 4  # the checkpoint's version, which the replicas hold after the resume
-    saved = [RolloutBatch(index=4, policy_version=3, problems=[], completions=[], rewards=[])]
+    saved = [RolloutBatch(index=4, policy_version=3, problems=[], samples=[])]
     prod = RolloutProducer(maker, max_lag=1, last_batch=7, first_batch=4, synced_version=4, ready=saved).start()
     try:
         assert prod.take(4) is saved[0]

@@ -3,15 +3,17 @@ into a freshly built state (as `--resume` builds it) gives back the rollout buff
 position and the controllers of rollout.max_lag: auto and trainer.auto_balance (the lag, T and K
 in force, not the config's starting values). End to end: tests/test_adaptive_e2e.py."""
 import json
+from dataclasses import replace
 
 from megatron_async.config import load_config
 from megatron_async.data import PromptIterator, TokenizedPrompt
 from megatron_async.data.problem import Problem
-from megatron_async.rollout.pool import Completion
 from megatron_async.rollout.producer import RolloutBatch, RolloutProducer
 from megatron_async.observability.tracking import NullTracker
-from megatron_async.run.report import StepReport
+from megatron_async.run.report import StepReport, batch_metrics
 from megatron_async.run.rollout_state import RolloutState, build_controllers
+from megatron_async.sample import Sample
+from tests.batches import scored_batch
 
 AUTO = ["rollout.max_lag=auto", "rollout.lag_cap=3", "trainer.auto_balance=true", "trainer.max_updates_per_batch=3",
         "rollout.k=2", "rollout.max_k=4", "rollout.prompts_per_step=2", "trainer.steps=10"]
@@ -45,11 +47,11 @@ def test_the_controllers_state_round_trips():
 
 
 def batch(index: int, prompts: list[TokenizedPrompt], k: int, data_state: dict) -> RolloutBatch:
-    completions = [[Completion(prompt_index=i, sample_index=j, prompt_token_ids=tuple(p.ids), token_ids=(3, 4),
-                               logprobs=(-0.5, -0.25), finish_reason="stop", replica_id=0, policy_version=index,
-                               policy_version_max=index) for j in range(k)] for i, p in enumerate(prompts)]
-    return RolloutBatch(index=index, policy_version=index, problems=[p.problem for p in prompts],
-                        completions=completions, rewards=[[1.0, None][:k]] * len(prompts), data_state=data_state)
+    samples = [Sample(prompt_index=i, prompt_token_ids=tuple(p.ids), token_ids=(3, 4), logprobs=(-0.5, -0.25),
+                      reward=[1.0, None][j], policy_version=index, sample_index=j, replica_id=0, policy_version_max=index)
+               for i, p in enumerate(prompts) for j in range(k)]
+    return RolloutBatch(index=index, policy_version=index, problems=[p.problem for p in prompts], samples=samples,
+                        data_state=data_state)
 
 
 def rollout_state(cfg) -> RolloutState:
@@ -107,3 +109,14 @@ def test_the_step_report_history_round_trips(tmp_path):
     resumed = StepReport(cfg, tracker=NullTracker())
     resumed.load_state_dict(json_round_trip(report.state_dict()))
     assert resumed.history == report.history
+
+
+def test_batch_metrics_count_every_sample_and_average_the_scored_ones():
+    """A batch is one flat list of samples: the failed score (None) counts as a sample and its tokens,
+    not as a reward; a sample whose tokens span two versions is counted."""
+    b = scored_batch([[1.0, 0.0], [0.5, None]], policy_version=3)
+    b.samples[1] = replace(b.samples[1], policy_version_max=4)  # updated during its generation
+    m = batch_metrics(b)
+    assert (m["rollout/prompts"], m["rollout/samples"], m["balance/k"]) == (2.0, 4.0, 2.0)
+    assert m["reward/mean"] == 0.5 and m["rollout/multi_version_samples"] == 1.0
+    assert [s.reward for s in b.scored()] == [1.0, 0.0, 0.5]

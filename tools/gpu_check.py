@@ -530,9 +530,9 @@ def batch_prep(args) -> dict:
     import torch
 
     from megatron_async import algorithms
-    from megatron_async.algorithms.batching import Sample
     from megatron_async.config import load_config
     from megatron_async.learner.schedule import microbatch_seq_multiple
+    from megatron_async.sample import Sample
 
     dev = torch.device("cuda" if args.cuda else "cpu")
     sync = torch.cuda.synchronize if args.cuda else (lambda: None)
@@ -543,9 +543,9 @@ def batch_prep(args) -> dict:
         prompt = torch.randint(3, 1000, (plen,), generator=g).tolist()
         for _ in range(k):
             n = int(torch.randint(clen // 2, clen + 1, (1,), generator=g))
-            samples.append(Sample(prompt_index=p, prompt_ids=prompt, completion_ids=torch.randint(3, 1000, (n,), generator=g).tolist(),
+            samples.append(Sample(prompt_index=p, prompt_token_ids=prompt, token_ids=torch.randint(3, 1000, (n,), generator=g).tolist(),
                                   logprobs=(-torch.rand(n, generator=g)).tolist(), reward=float(torch.rand(1, generator=g) > 0.5),
-                                  version=0))
+                                  policy_version=0))
     multiple = microbatch_seq_multiple(dev)  # as the learner pads: 64 on GPU
     out = {"device": str(dev), "samples": len(samples), "seq_multiple": multiple}
     for name, max_tokens in (("rloo", 8 * (plen + clen)), ("ppo", 0)):  # RLOO under a token budget, PPO by rows

@@ -46,9 +46,10 @@ from typing import Any, Callable, ClassVar, Iterable, Literal, Protocol, TypedDi
 import torch
 from typing_extensions import NotRequired, ReadOnly
 
-from megatron_async.algorithms.batching import Sample, TrainBatch, collate
+from megatron_async.algorithms.batching import TrainBatch, collate
 from megatron_async.algorithms.losses import sequence_kl
 from megatron_async.algorithms.off_policy import Correction, behaviour_weights, sequence_weights, staleness_stats
+from megatron_async.sample import Sample
 
 
 class Microbatch(TypedDict):
@@ -293,7 +294,7 @@ def token_budget_groups(rows: list[Sample], per_unit: int, max_rows: int, max_to
     row (rounded up to a multiple of `seq_multiple`, as it will be padded) <= `max_tokens` and its
     rows <= `max_rows`. A unit longer than the budget is a group of its own."""
     units = [list(range(i, i + per_unit)) for i in range(0, len(rows), per_unit)]
-    length = {u[0]: -(-max(len(rows[i].prompt_ids) + len(rows[i].completion_ids) for i in u) // seq_multiple) * seq_multiple
+    length = {u[0]: -(-max(len(rows[i].prompt_token_ids) + len(rows[i].token_ids) for i in u) // seq_multiple) * seq_multiple
               for u in units}
     units.sort(key=lambda u: -length[u[0]])
     groups: list[list[int]] = []

@@ -1,14 +1,12 @@
 """Scored completions -> training batches: DPO pairs, RLOO groups, best-of-K selection, padding.
 
-Input records are `Sample`s: one completion of one prompt with its reward. Build them from the
-rollout pool's `Completion` (or any object with its attribute names) with `Sample.from_completion`,
-or from a dict with `Sample(**d)`. Samples whose reward could not be computed must be removed
-before this point (`ScoreReport.kept()`); a missing or non-finite reward here is an error, never a
-silent 0.
+Input records are `megatron_async.sample.Sample`s, one completion of one prompt, as the rollout
+scored them. Samples whose reward could not be computed must be removed before this point
+(`RolloutBatch.scored`); a missing or non-finite reward here is an error, never a silent 0.
 
 Tensor layout (`collate`), the contract with the learner and the losses:
-    input_ids       [B, S] long   prompt + completion, right padded with pad_id
-    attention_mask  [B, S] long   1 on real tokens
+    input_ids       [B, S] long   prompt + completion, right padded with pad_id (the learner's
+                                  attention is causal, so no real token attends to the padding)
     completion_mask [B, S] float  1 on completion tokens (the ones trained on), 0 on prompt/padding
     gen_logprobs    [B, S] float  the generating policy's logprob of input_ids[b, t] at position t
                                   (0 off the completion mask); None when samples carry none
@@ -22,36 +20,12 @@ Sequence packing (no padding, cu_seqlens) is not implemented: batches are padded
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
 
-
-@dataclass
-class Sample:
-    prompt_index: int  # which prompt of its generation batch (groups K completions)
-    prompt_ids: Sequence[int]
-    completion_ids: Sequence[int]
-    logprobs: Sequence[float] | None  # per completion token, under the generating policy
-    reward: float
-    version: int  # policy version that generated it
-    finish_reason: str = "stop"
-    replica_id: int = -1
-
-    @classmethod
-    def from_completion(cls, completion, reward: float) -> "Sample":
-        """From rollout.pool.Completion: prompt_token_ids, token_ids, policy_version, ..."""
-        return cls(
-            prompt_index=completion.prompt_index,
-            prompt_ids=completion.prompt_token_ids,
-            completion_ids=completion.token_ids,
-            logprobs=completion.logprobs,
-            reward=reward,
-            version=completion.policy_version,
-            finish_reason=completion.finish_reason,
-            replica_id=completion.replica_id,
-        )
+from megatron_async.sample import Sample
 
 
 @dataclass
@@ -59,24 +33,17 @@ class TrainBatch:
     """Padded tensors of B samples (layout in the module docstring)."""
 
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor
     completion_mask: torch.Tensor
     gen_logprobs: torch.Tensor | None
     rewards: torch.Tensor  # [B] float
-    versions: torch.Tensor  # [B] long
-    prompt_index: torch.Tensor  # [B] long
-
-    def to(self, device) -> "TrainBatch":
-        moved: dict[str, torch.Tensor] = {f.name: getattr(self, f.name).to(device) for f in fields(self)
-                                          if getattr(self, f.name) is not None}
-        return replace(self, **moved)
 
 
-def _check_reward(s: Sample) -> float:
+def _reward(s: Sample) -> float:
+    """The sample's reward: a finite number by now, or a ValueError (a failure is never a reward)."""
     if s.reward is None or not math.isfinite(s.reward):
         raise ValueError(
             f"sample of prompt {s.prompt_index} has reward {s.reward!r}: drop failed samples "
-            "(ScoreReport.kept()) before batching; a failure is never a reward"
+            "(RolloutBatch.scored()) before batching; a failure is never a reward"
         )
     return float(s.reward)
 
@@ -85,7 +52,7 @@ def group_by_prompt(samples: Iterable[Sample]) -> dict[int, list[Sample]]:
     """prompt_index -> its samples, prompts in first-seen order, samples in input order."""
     groups: dict[int, list[Sample]] = {}
     for s in samples:
-        _check_reward(s)
+        _reward(s)
         groups.setdefault(s.prompt_index, []).append(s)
     return groups
 
@@ -103,13 +70,13 @@ def build_dpo_pairs(samples: Iterable[Sample]) -> tuple[list[tuple[Sample, Sampl
         if len(group) < 2:
             too_few += 1
             continue
-        best = max(group, key=lambda s: s.reward)  # first maximal
-        worst = min(group, key=lambda s: s.reward)  # first minimal
+        best = max(group, key=_reward)  # first maximal
+        worst = min(group, key=_reward)  # first minimal
         if best.reward == worst.reward:
             ties += 1
             continue
         pairs.append((best, worst))
-        gaps.append(best.reward - worst.reward)
+        gaps.append(_reward(best) - _reward(worst))
     stats = {
         "dpo/pairs": float(len(pairs)),
         "dpo/tied_prompts": float(ties),
@@ -148,16 +115,16 @@ def select_best_of_k(samples: Iterable[Sample], min_reward: float | None = None)
     """
     chosen, below, tied = [], 0, 0
     for group in group_by_prompt(samples).values():
-        best = max(group, key=lambda s: s.reward)
+        best = max(group, key=_reward)
         tied += len(group) > 1 and all(s.reward == best.reward for s in group)
-        if min_reward is not None and best.reward < min_reward:
+        if min_reward is not None and _reward(best) < min_reward:
             below += 1
             continue
         chosen.append(best)
     return chosen, {"sft/selected": float(len(chosen)), "sft/below_min_reward": float(below), "sft/tied_prompts": float(tied)}
 
 
-def collate(samples: Sequence[Sample], pad_id: int, max_len: int | None = None, pad_to_multiple_of: int = 1) -> TrainBatch:
+def collate(samples: Sequence[Sample], pad_id: int, pad_to_multiple_of: int = 1) -> TrainBatch:
     """Right-pad samples into a TrainBatch. S = longest prompt + completion, rounded up to a
     multiple of `pad_to_multiple_of` (e.g. TP size under sequence parallelism)."""
     if not samples:
@@ -165,35 +132,28 @@ def collate(samples: Sequence[Sample], pad_id: int, max_len: int | None = None, 
     with_lp = [s.logprobs is not None for s in samples]
     if any(with_lp) and not all(with_lp):
         raise ValueError("collate: some samples have generating logprobs and some do not")
-    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-    for s, n in zip(samples, lengths):
-        if len(s.completion_ids) == 0 or len(s.prompt_ids) == 0:
+    for s in samples:
+        if len(s.token_ids) == 0 or len(s.prompt_token_ids) == 0:
             raise ValueError(f"sample of prompt {s.prompt_index}: empty prompt or completion, nothing to train on")
-        if s.logprobs is not None and len(s.logprobs) != len(s.completion_ids):
-            raise ValueError(f"sample of prompt {s.prompt_index}: {len(s.logprobs)} logprobs for {len(s.completion_ids)} completion tokens")
-        if max_len is not None and n > max_len:
-            raise ValueError(f"sample of prompt {s.prompt_index}: {len(s.prompt_ids)} prompt + {len(s.completion_ids)} completion tokens > max_len={max_len}")
+        if s.logprobs is not None and len(s.logprobs) != len(s.token_ids):
+            raise ValueError(f"sample of prompt {s.prompt_index}: {len(s.logprobs)} logprobs for {len(s.token_ids)} completion tokens")
+    lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in samples]
     S = -(-max(lengths) // pad_to_multiple_of) * pad_to_multiple_of
     B = len(samples)
     input_ids = torch.full((B, S), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros(B, S, dtype=torch.long)
     completion_mask = torch.zeros(B, S)
     gen_logprobs = torch.zeros(B, S) if all(with_lp) else None
     for b, s in enumerate(samples):
-        p, n = len(s.prompt_ids), lengths[b]
-        input_ids[b, :p] = torch.tensor(list(s.prompt_ids), dtype=torch.long)
-        input_ids[b, p:n] = torch.tensor(list(s.completion_ids), dtype=torch.long)
-        attention_mask[b, :n] = 1
+        p, n = len(s.prompt_token_ids), lengths[b]
+        input_ids[b, :p] = torch.tensor(list(s.prompt_token_ids), dtype=torch.long)
+        input_ids[b, p:n] = torch.tensor(list(s.token_ids), dtype=torch.long)
         completion_mask[b, p:n] = 1.0
         if gen_logprobs is not None and s.logprobs is not None:  # all samples have them
             gen_logprobs[b, p:n] = torch.tensor(list(s.logprobs), dtype=torch.float32)
     return TrainBatch(
         input_ids=input_ids,
-        attention_mask=attention_mask,
         completion_mask=completion_mask,
         gen_logprobs=gen_logprobs,
-        rewards=torch.tensor([_check_reward(s) for s in samples]),
-        versions=torch.tensor([s.version for s in samples], dtype=torch.long),
-        prompt_index=torch.tensor([s.prompt_index for s in samples], dtype=torch.long),
+        rewards=torch.tensor([_reward(s) for s in samples]),
     )
 

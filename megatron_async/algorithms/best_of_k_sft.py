@@ -6,9 +6,10 @@ from typing import Iterable
 
 import torch
 
-from megatron_async.algorithms.batching import Sample, select_best_of_k
+from megatron_async.algorithms.batching import select_best_of_k
 from megatron_async.algorithms.base import Algorithm, Microbatch, Rule
 from megatron_async.algorithms.losses import best_of_k_sft_loss
+from megatron_async.sample import Sample
 
 
 

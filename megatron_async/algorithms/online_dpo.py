@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from megatron_async.algorithms.batching import Sample, build_dpo_pairs
+from megatron_async.algorithms.batching import build_dpo_pairs
 from megatron_async.algorithms.base import Algorithm, Microbatch
 from megatron_async.algorithms.losses import best_of_k_sft_loss, dpo_loss, sequence_logprobs
+from megatron_async.sample import Sample
 
 
 class OnlineDPO(Algorithm):

@@ -20,7 +20,7 @@ from typing import Iterable
 
 import torch
 
-from megatron_async.algorithms.batching import Sample, group_samples
+from megatron_async.algorithms.batching import group_samples
 from megatron_async.algorithms.base import Algorithm, LearnerModels, Microbatch, Rule, attach
 from megatron_async.algorithms.losses import (
     gae,
@@ -31,6 +31,7 @@ from megatron_async.algorithms.losses import (
     ppo_value_loss,
     sequence_kl,
 )
+from megatron_async.sample import Sample
 
 
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from megatron_async.algorithms.batching import Sample, group_samples
+from megatron_async.algorithms.batching import group_samples
 from megatron_async.algorithms.base import Algorithm, LearnerModels, Microbatch, in_row_order, real_rows_of, scatter_rows
 from megatron_async.algorithms.losses import rloo_advantages, rloo_loss, sequence_kl
+from megatron_async.sample import Sample
 
 
 class RLOO(Algorithm):

@@ -36,7 +36,7 @@ import resource
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,6 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
 from megatron_async.algorithms import build_algorithm, split_units
-from megatron_async.algorithms.batching import Sample
 from megatron_async.cluster.cpu_affinity import cpu_flags, pin_learner
 from megatron_async.config import Config, load_config
 from megatron_async.data.problem import Problem
@@ -53,9 +52,9 @@ from megatron_async.io_utils import atomic_write_text
 from megatron_async.learner.parallel import init_parallel
 from megatron_async.models.base_model import load_tokenizer, prepare_base_model
 from megatron_async.models.smollm2 import export_smollm2
-from megatron_async.rollout.pool import Completion
 from megatron_async.rollout.producer import RolloutBatch
 from megatron_async.run.learner_state import LearnerState
+from megatron_async.sample import Sample
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = {"tiny": REPO / "configs" / "cpu_tiny.yaml", "smollm2": REPO / "configs" / "cpu_smollm2_gsm8k.yaml"}
@@ -66,21 +65,19 @@ def synthetic_batch(vocab: int, prompts: int, k: int, prompt_len: int, max_new: 
     """`prompts` x `k` completions with random tokens, lengths in [max_new / 2, max_new], distinct
     rewards within each prompt (no ties), and generator logprobs, as the pool would return them."""
     rng = random.Random(seed)
-    completions: list[list[Completion]] = []
-    rewards: list[list[float | None]] = []
+    samples: list[Sample] = []
     for p in range(prompts):
         prompt = tuple(rng.randrange(3, vocab) for _ in range(prompt_len + rng.randrange(-prompt_len // 4, prompt_len // 4 + 1)))
         group = []
         for s in range(k):
             n = rng.randrange(max_new // 2, max_new + 1)
-            group.append(Completion(prompt_index=p, sample_index=s, prompt_token_ids=prompt,
-                                    token_ids=tuple(rng.randrange(3, vocab) for _ in range(n)),
-                                    logprobs=tuple(-rng.uniform(0.1, 3.0) for _ in range(n)), finish_reason="stop",
-                                    replica_id=0, policy_version=0, policy_version_max=0))
-        completions.append(group)
-        rewards.append(rng.sample([i / k for i in range(k)], k))
+            group.append(Sample(prompt_index=p, prompt_token_ids=prompt, token_ids=tuple(rng.randrange(3, vocab) for _ in range(n)),
+                                logprobs=tuple(-rng.uniform(0.1, 3.0) for _ in range(n)), reward=None, policy_version=0,
+                                sample_index=s, replica_id=0, policy_version_max=0))
+        rewards = rng.sample([i / k for i in range(k)], k)  # drawn after the group's tokens (the recorded batches)
+        samples += [replace(sample, reward=r) for sample, r in zip(group, rewards, strict=True)]
     problems = [Problem(id=f"synthetic:{p}", question="", solution=None, answer=None) for p in range(prompts)]
-    return RolloutBatch(index=0, policy_version=0, problems=problems, completions=completions, rewards=rewards)
+    return RolloutBatch(index=0, policy_version=0, problems=problems, samples=samples)
 
 
 def token_logprobs_hf(model, input_ids: torch.Tensor) -> torch.Tensor:
@@ -125,9 +122,7 @@ class PlainLearner:
 
     def step(self, batch: RolloutBatch) -> float:
         t, algo, k = self.cfg.trainer, self.algorithm, batch.k
-        samples = [Sample.from_completion(c, r) for comps, rs in zip(batch.completions, batch.rewards)
-                   for c, r in zip(comps, rs) if r is not None]
-        rows, _ = algo.select(samples, k)
+        rows, _ = algo.select(batch.scored(), k)
         minibatches = [algo.microbatches(part, self.pad_id, t.micro_batch_size, max_tokens=t.micro_batch_tokens)
                        for part in split_units(rows, algo.unit(k), t.minibatches)]
         algo.prepare(minibatches, self.models, k)
@@ -147,10 +142,8 @@ class PlainLearner:
 
 
 def trained_tokens(learner: LearnerState, batch: RolloutBatch) -> int:
-    samples = [Sample.from_completion(c, r) for comps, rs in zip(batch.completions, batch.rewards)
-               for c, r in zip(comps, rs) if r is not None]
-    rows, _ = learner.algorithm.select(samples, batch.k)
-    return learner.cfg.trainer.updates_per_batch * sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
+    rows, _ = learner.algorithm.select(batch.scored(), batch.k)
+    return learner.cfg.trainer.updates_per_batch * sum(len(r.prompt_token_ids) + len(r.token_ids) for r in rows)
 
 
 def profile_table(fn, rows: int = 25) -> str:

@@ -8,9 +8,9 @@ pool.py: dispatch, versions, weight-update phases and faults; producer.py: the t
 the replicas busy.
 """
 from megatron_async.rollout.launcher import PoolError
-from megatron_async.rollout.pool import Completion, ReplicaInfo, ReplicaPool
+from megatron_async.rollout.pool import ReplicaInfo, ReplicaPool
 from megatron_async.rollout.replica import ReplicaClient, ReplicaError, ReplicaSpec, Sampling
 
 __all__ = [
-    "Completion", "PoolError", "ReplicaClient", "ReplicaError", "ReplicaInfo", "ReplicaPool", "ReplicaSpec", "Sampling",
+    "PoolError", "ReplicaClient", "ReplicaError", "ReplicaInfo", "ReplicaPool", "ReplicaSpec", "Sampling",
 ]

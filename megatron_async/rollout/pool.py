@@ -66,26 +66,12 @@ from megatron_async.config import LOOPBACK_HOSTS
 from megatron_async.rollout.launcher import LocalLauncher, PoolError, free_port
 from megatron_async.rollout.replica import (GENERATE_ROUTE, ReplicaClient, ReplicaError, ReplicaSpec, Sampling, auth_headers,
                                             parse_version)
+from megatron_async.sample import Sample
 
 log = logging.getLogger(__name__)
 
 UpdateMode = Literal["between_batches", "during_generation"]
 RETRY_AFTER_S = 1.0  # a replica that answered 503 (paused) but is alive takes no new request for this long
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One sampled completion of one prompt."""
-
-    prompt_index: int  # index into the prompts passed to generate
-    sample_index: int  # 0..n-1 among the prompt's completions
-    prompt_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]  # completion tokens (a stop token id, if hit, is included)
-    logprobs: tuple[float, ...] | None  # log p(token) under the weights that sampled it, per token
-    finish_reason: str  # "stop" (eos / stop string / stop token) or "length"
-    replica_id: int
-    policy_version: int  # the oldest version any of its tokens was sampled under
-    policy_version_max: int  # the newest (> policy_version only for updates during generation)
 
 
 @dataclass(frozen=True)
@@ -427,8 +413,8 @@ class ReplicaPool:
         return ok
 
     # -- generation -----------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling, *, timeout_s: float | None = None) -> list[Completion]:
-        """`sampling.n` completions per prompt; records sorted by (prompt, sample) index.
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling, *, timeout_s: float | None = None) -> list[Sample]:
+        """`sampling.n` completions per prompt, as `Sample`s without a reward, sorted by (prompt, sample) index.
 
         Raises `PoolError` when a replica exceeds `max_failures`, `ReplicaError` for a request a
         replica refuses as bad (e.g. a prompt longer than max_model_len), and `TimeoutError`
@@ -464,7 +450,7 @@ class ReplicaPool:
             rep.inflight += n
             return rep
 
-    async def _generate(self, prompts, sampling: Sampling, deadline: float, timeout_s: float) -> list[Completion]:
+    async def _generate(self, prompts, sampling: Sampling, deadline: float, timeout_s: float) -> list[Sample]:
         pending = collections.deque(range(len(prompts)))
         results: dict[int, tuple[int, list[dict]]] = {}
         running: dict[asyncio.Task, tuple[_Replica, int]] = {}
@@ -552,7 +538,7 @@ class ReplicaPool:
         except httpx.HTTPError:
             return False
 
-    def _records(self, i: int, prompt: Sequence[int], replica_id: int, choices: list[dict]) -> list[Completion]:
+    def _records(self, i: int, prompt: Sequence[int], replica_id: int, choices: list[dict]) -> list[Sample]:
         out = []
         for choice in sorted(choices, key=lambda c: c["index"]):
             tokens = tuple(choice["token_ids"])
@@ -560,6 +546,8 @@ class ReplicaPool:
             lps = None if content is None else tuple(float(c["logprob"]) for c in content)
             spans = choice.get("weight_versions") or [{"version": str(self.spec.initial_version)}]
             versions = [parse_version(s["version"], self.spec.initial_version) for s in spans]
-            out.append(Completion(i, choice["index"], tuple(prompt), tokens, lps, choice.get("finish_reason") or "stop",
-                                  replica_id, min(versions), max(versions)))
+            out.append(Sample(prompt_index=i, prompt_token_ids=tuple(prompt), token_ids=tokens, logprobs=lps, reward=None,
+                              policy_version=min(versions), sample_index=choice["index"],
+                              finish_reason=choice.get("finish_reason") or "stop", replica_id=replica_id,
+                              policy_version_max=max(versions)))
         return out

@@ -38,20 +38,19 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from megatron_async.data.problem import Problem
-from megatron_async.rollout.pool import Completion
+from megatron_async.sample import Sample
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class RolloutBatch:
-    """One generation batch: prompts x K completions with rewards, as the learner receives it."""
+    """One generation batch: prompts x K scored samples, as the learner receives it."""
 
     index: int  # learner step that trains on it
     policy_version: int  # the oldest weights any of its tokens was sampled under, as the replicas reported
-    problems: list[Problem]  # one per prompt
-    completions: list[list[Completion]]  # per prompt: its K completions from the pool
-    rewards: list[list[float | None]]  # per prompt: K rewards, None where scoring failed (never a silent 0)
+    problems: list[Problem]  # one per prompt (a sample's `prompt_index` indexes it)
+    samples: list[Sample]  # K per prompt, prompt by prompt; reward None where scoring failed (never a silent 0)
     reward_errors: int = 0
     reward_timeouts: int = 0
     gen_seconds: float = 0.0  # wall time of generation (replicas busy)
@@ -61,7 +60,11 @@ class RolloutBatch:
     @property
     def k(self) -> int:
         """Completions per prompt this batch was sampled with."""
-        return len(self.completions[0])
+        return len(self.samples) // len(self.problems)
+
+    def scored(self) -> list[Sample]:
+        """The samples the learner trains on: those with a reward."""
+        return [s for s in self.samples if s.reward is not None]
 
 
 class RolloutProducer:
@@ -195,10 +198,9 @@ def batch_to_json(batch: RolloutBatch) -> dict:
 
 
 def batch_from_json(data: dict) -> RolloutBatch:
-    def completion(c: dict) -> Completion:
-        c = dict(c, prompt_token_ids=tuple(c["prompt_token_ids"]), token_ids=tuple(c["token_ids"]),
-                 logprobs=None if c["logprobs"] is None else tuple(c["logprobs"]))
-        return Completion(**c)
+    def sample(s: dict) -> Sample:
+        return Sample(**dict(s, prompt_token_ids=tuple(s["prompt_token_ids"]), token_ids=tuple(s["token_ids"]),
+                             logprobs=None if s["logprobs"] is None else tuple(s["logprobs"])))
 
     return RolloutBatch(**{**data, "problems": [Problem(**p) for p in data["problems"]],
-                           "completions": [[completion(c) for c in cs] for cs in data["completions"]]})
+                           "samples": [sample(s) for s in data["samples"]]})

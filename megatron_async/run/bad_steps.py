@@ -22,7 +22,7 @@ class BadStepGuard:
 
     def record(self, step: int, batch: RolloutBatch, metrics: dict[str, float]) -> str | None:
         """Count learner step `step` (its batch and metrics) -> why the run must stop now, or None."""
-        no_reward = all(r is None for rewards in batch.rewards for r in rewards)
+        no_reward = not batch.scored()
         self.in_a_row = self.in_a_row + 1 if metrics.get("train/skipped", 0.0) > 0 or no_reward else 0
         if self.in_a_row < min(self.max_bad_steps, self.steps_to_run):
             return None

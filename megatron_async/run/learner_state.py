@@ -20,7 +20,6 @@ import torch
 
 from megatron_async.algorithms import Algorithm, build_algorithm, dp_shard, split_units
 from megatron_async.algorithms.base import Microbatch, attach
-from megatron_async.algorithms.batching import Sample
 from megatron_async.config import Config, ConfigError, model_dtype
 from megatron_async.learner.schedule import (LossFn, compute_logprobs, compute_values, microbatch_seq_multiple, recording,
                                              share_with_pipeline)
@@ -122,10 +121,9 @@ class LearnerState:
         """Train on batch `step`: N minibatches (optimizer steps) x T = `updates` passes. Same on every rank."""
         t, algo = self.cfg.trainer, self.algorithm
         k = batch.k  # K of this batch (trainer.auto_balance may change it between batches)
-        samples = [Sample.from_completion(c, r) for comps, rewards in zip(batch.completions, batch.rewards)
-                   for c, r in zip(comps, rewards) if r is not None]
+        samples = batch.scored()
         rows, metrics = algo.select(samples, k)
-        versions = [s.version for s in samples]
+        versions = [s.policy_version for s in samples]
         metrics.update({"rollout/lag_mean": step - sum(versions) / max(1, len(versions)),
                         "rollout/lag_max": float(step - min(versions, default=step)),
                         "rollout/policy_version": float(batch.policy_version)})
@@ -139,10 +137,10 @@ class LearnerState:
                  for part in split_units(rows, algo.unit(k), t.minibatches)]
         metrics.update({"train/rows": float(len(rows)), "train/rows_this_dp_rank": float(sum(map(len, parts))),
                         # prompt + completion tokens, counted once per pass (not the microbatches' padding)
-                        "train/tokens": float(updates * sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows))})
+                        "train/tokens": float(updates * sum(len(r.prompt_token_ids) + len(r.token_ids) for r in rows))})
         minibatches = [algo.microbatches(part, self.pad_id, t.micro_batch_size, self.layout.device, t.micro_batch_tokens,
                                          seq_multiple=microbatch_seq_multiple(self.layout.device)) for part in parts]
-        real_tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for part in parts for r in part)
+        real_tokens = sum(len(r.prompt_token_ids) + len(r.token_ids) for part in parts for r in part)
         metrics["train/padding_fraction"] = 1 - real_tokens / sum(mb["input_ids"].numel() for mbs in minibatches for mb in mbs)
         # One optimizer step: the staleness monitor reads the learner's logprobs off its training forward
         old_from_training = algo.monitor_from_training(minibatches, updates)

@@ -33,18 +33,19 @@ log = logging.getLogger(__name__)
 
 def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
     """The metrics a generated batch carries by itself: its size, rewards and generation speed."""
-    flat = [x for rs in batch.rewards for x in rs if x is not None]
+    flat = [s.reward for s in batch.samples if s.reward is not None]
     mean = sum(flat) / max(1, len(flat))
     std = (sum((x - mean) ** 2 for x in flat) / max(1, len(flat))) ** 0.5
-    n_tokens = sum(len(c.token_ids) for cs in batch.completions for c in cs)
-    return {"rollout/prompts": float(len(batch.completions)),
-            "rollout/samples": float(sum(len(cs) for cs in batch.completions)),
+    n_tokens = sum(len(s.token_ids) for s in batch.samples)
+    return {"rollout/prompts": float(len(batch.problems)),
+            "rollout/samples": float(len(batch.samples)),
             "reward/mean": mean, "reward/std": std, "reward/errors": float(batch.reward_errors),
             "reward/timeouts": float(batch.reward_timeouts), "balance/k": float(batch.k),
             "rollout/tokens_per_s": n_tokens / max(batch.gen_seconds, 1e-9),
             # rollout.weight_update=during_generation: completions whose tokens span versions
-            "rollout/multi_version_samples": float(sum(c.policy_version_max > c.policy_version
-                                                       for cs in batch.completions for c in cs))}
+            "rollout/multi_version_samples": float(sum(s.policy_version_max is not None
+                                                       and s.policy_version_max > s.policy_version
+                                                       for s in batch.samples))}
 
 
 @dataclass

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -129,14 +129,13 @@ class RolloutState:
         records = self.pool.generate([p.ids for p in prompts], sampling)
         gen_seconds = time.monotonic() - t0
         t0 = time.monotonic()
-        completions = [records[i * k:(i + 1) * k] for i in range(len(prompts))]
-        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in records]
-        report = self.scorer.score([prompts[c.prompt_index] for c in records], texts,
-                                   [prompts[c.prompt_index].problem.answer for c in records], self.cfg.reward.on_error)
-        scores = [s.reward if s.ok else None for s in report.scores]
-        rewards = [scores[i * k:(i + 1) * k] for i in range(len(prompts))]
-        return RolloutBatch(index=index, policy_version=min(c.policy_version for c in records), problems=[p.problem for p in prompts],
-                            completions=completions, rewards=rewards, reward_errors=report.n_errors,
+        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in records]
+        report = self.scorer.score([prompts[s.prompt_index] for s in records], texts,
+                                   [prompts[s.prompt_index].problem.answer for s in records], self.cfg.reward.on_error)
+        # a score's reward is None where scoring failed (kept under reward.on_error=drop, never a 0)
+        samples = [replace(s, reward=score.reward) for s, score in zip(records, report.scores, strict=True)]
+        return RolloutBatch(index=index, policy_version=min(s.policy_version for s in records), problems=[p.problem for p in prompts],
+                            samples=samples, reward_errors=report.n_errors,
                             reward_timeouts=report.n_timeouts, gen_seconds=gen_seconds,
                             score_seconds=time.monotonic() - t0, data_state=data_state)
 

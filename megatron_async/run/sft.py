@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from megatron_async.algorithms import batching
 from megatron_async.algorithms.best_of_k_sft import BestOfKSFT
 from megatron_async.config import Config, model_dtype
 from megatron_async.data import PromptIterator, load_train_prompts
@@ -27,11 +26,12 @@ from megatron_async.learner.parallel import ParallelLayout
 from megatron_async.learner.perf import PerfSettings
 from megatron_async.learner.schedule import microbatch_seq_multiple
 from megatron_async.observability.tracking import Tracker
+from megatron_async.sample import Sample
 
 log = logging.getLogger(__name__)
 
 
-def sft_rows(prompts, tokenizer) -> list[batching.Sample]:
+def sft_rows(prompts, tokenizer) -> list[Sample]:
     """Prompt ids + (" " + reference solution + EOS) as one training row per problem; a chat prompt
     (data.chat_template) ends in the assistant's turn header, so its solution has no leading space
     (EOS is the template's end of turn for instruct tokenizers such as SmolLM2's <|im_end|>)."""
@@ -39,8 +39,8 @@ def sft_rows(prompts, tokenizer) -> list[batching.Sample]:
     for i, p in enumerate(prompts):
         sep = "" if p.messages is not None else " "
         target = tokenizer(sep + p.problem.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append(batching.Sample(prompt_index=i, prompt_ids=p.ids, completion_ids=target, logprobs=None,
-                                    reward=1.0, version=0))
+        rows.append(Sample(prompt_index=i, prompt_token_ids=p.ids, token_ids=target, logprobs=None, reward=1.0,
+                           policy_version=0))
     return rows
 
 

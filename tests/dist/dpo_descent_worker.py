@@ -13,12 +13,12 @@ import torch
 
 if __name__ == "__main__":
     from megatron_async.algorithms.base import attach
-    from megatron_async.algorithms.batching import Sample
     from megatron_async.algorithms.online_dpo import OnlineDPO
     from megatron_async.config import TrainerConfig
     from megatron_async.learner.schedule import compute_logprobs
     from megatron_async.learner.optimizer import OptimSettings, train_step
     from megatron_async.learner.parallel import init_parallel
+    from megatron_async.sample import Sample
     from tests.dist._learner import loaded_model, tiny_learner
 
     model_dir, out = sys.argv[1], sys.argv[2]
@@ -29,8 +29,8 @@ if __name__ == "__main__":
         prompt = torch.randint(3, 300, (5,), generator=g).tolist()
         for reward in (1.0, 0.0):
             completion = torch.randint(3, 300, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()
-            samples.append(Sample(prompt_index=p, prompt_ids=prompt, completion_ids=completion, logprobs=None,
-                                  reward=reward, version=0))
+            samples.append(Sample(prompt_index=p, prompt_token_ids=prompt, token_ids=completion, logprobs=None,
+                                  reward=reward, policy_version=0))
     dpo = OnlineDPO(TrainerConfig(beta=0.1))
     rows, _ = dpo.select(samples, 2)
     mbs = dpo.microbatches(rows, pad_id=0, micro_batch_size=6)

@@ -16,6 +16,7 @@ step on it is off-policy data for the learner.
 """
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 import torch
 
@@ -28,15 +29,14 @@ if __name__ == "__main__":
     p.add_argument("overrides", nargs="*", help="more config overrides, e.g. trainer.off_policy_correction=none")
     a = p.parse_args()
     torch.set_num_threads(1)
-    from megatron_async.algorithms.batching import Sample
     from megatron_async.algorithms.losses import sequence_logprobs
     from megatron_async.config import load_config
     from megatron_async.learner.schedule import compute_logprobs
     from megatron_async.learner.parallel import destroy_parallel, init_parallel
-    from megatron_async.rollout.pool import Completion
     from megatron_async.rollout.producer import RolloutBatch
     from megatron_async.run.checkpoint import load_run_checkpoint, save_run_checkpoint
     from megatron_async.run.learner_state import LearnerState
+    from megatron_async.sample import Sample
     from tests.batches import problems
 
     # gamma = lam = 1: the returns are the rewards-to-go, fixed targets for the value model
@@ -54,8 +54,8 @@ if __name__ == "__main__":
             ids = torch.randint(3, 300, (5,), generator=g).tolist()
             for reward in (1.0, 0.0):
                 n = int(torch.randint(3, 8, (1,), generator=g))
-                samples.append(Sample(prompt_index=prompt, prompt_ids=ids, logprobs=None, reward=reward, version=0,
-                                      completion_ids=torch.randint(3, 300, (n,), generator=g).tolist()))
+                samples.append(Sample(prompt_index=prompt, prompt_token_ids=ids, logprobs=None, reward=reward, policy_version=0,
+                                      token_ids=torch.randint(3, 300, (n,), generator=g).tolist()))
 
         def new_learner():
             return LearnerState.build(cfg, a.model_dir, layout, pad_id=0)
@@ -63,12 +63,9 @@ if __name__ == "__main__":
         learner = new_learner()
         mbs = learner.algorithm.microbatches(samples, pad_id=0, micro_batch_size=len(samples))
         gen = compute_logprobs(learner.reference, mbs)[0]  # [rows, s], 0 off the completion tokens
-        completions = [[Completion(prompt_index=s.prompt_index, sample_index=i % 2, prompt_token_ids=tuple(s.prompt_ids),
-                                   token_ids=tuple(s.completion_ids), replica_id=0, policy_version=0, policy_version_max=0, finish_reason="stop",
-                                   logprobs=tuple(gen[i, len(s.prompt_ids):len(s.prompt_ids) + len(s.completion_ids)].tolist()))
-                        for i, s in enumerate(samples) if s.prompt_index == prompt] for prompt in range(4)]
-        batch = RolloutBatch(index=0, policy_version=0, problems=problems(4), completions=completions,
-                             rewards=[[1.0, 0.0]] * 4)
+        generated = [replace(s, logprobs=tuple(gen[i, len(s.prompt_token_ids):len(s.prompt_token_ids) + len(s.token_ids)].tolist()))
+                     for i, s in enumerate(samples)]  # as the pool returns them: with the generator's logprobs
+        batch = RolloutBatch(index=0, policy_version=0, problems=problems(4), samples=generated)
         updates = cfg.trainer.updates_per_batch
         history = [learner.step(batch, 0, updates) for _ in range(6)]
         after = compute_logprobs(learner.policy.model, mbs)[0]

@@ -7,6 +7,7 @@ estimate; `dpo`: Online DPO / IPO; `ppo`: KL-shaped rewards, GAE, clipped policy
 """
 from megatron_async.algorithms.losses.common import masked_mean, masked_sum, sequence_kl, sequence_logprobs
 from megatron_async.algorithms.losses.dpo import dpo_loss
+from megatron_async.algorithms.losses.grpo import group_advantages, grpo_loss
 from megatron_async.algorithms.losses.ppo import gae, kl_penalized_rewards, masked_whiten, ppo_policy_loss, ppo_value_loss
 from megatron_async.algorithms.losses.rloo import proximal_rloo_loss, rloo_advantages, rloo_loss
 from megatron_async.algorithms.losses.sft import best_of_k_sft_loss
@@ -15,6 +16,8 @@ __all__ = [
     "best_of_k_sft_loss",
     "dpo_loss",
     "gae",
+    "group_advantages",
+    "grpo_loss",
     "kl_penalized_rewards",
     "masked_mean",
     "masked_sum",
