@@ -2,7 +2,7 @@
 
 Each returns (loss, metrics) where metrics are detached 0-dim tensors; no collectives, no
 knowledge of processes, Megatron or vLLM. `common`: masked reductions and the KL-to-reference
-estimate; `dpo`: Online DPO / IPO; `ppo`: KL-shaped rewards, GAE, clipped policy and value losses;
+estimate; `dpo`: Online DPO / IPO; `grpo`: GRPO's group-normalised advantages and loss; `ppo`: KL-shaped rewards, GAE, clipped policy and value losses;
 `rloo`: RLOO and Proximal RLOO; `sft`: Best-of-K SFT's negative log-likelihood.
 """
 from megatron_async.algorithms.losses.common import masked_mean, masked_sum, sequence_kl, sequence_logprobs
