@@ -5,10 +5,12 @@ in force, not the config's starting values). End to end: tests/test_adaptive_e2e
 import json
 from dataclasses import replace
 
+import pytest
+
 from megatron_async.config import load_config
 from megatron_async.data import PromptIterator, TokenizedPrompt
 from megatron_async.data.problem import Problem
-from megatron_async.rollout.producer import RolloutBatch, RolloutProducer
+from megatron_async.rollout.producer import RolloutBatch, RolloutProducer, batch_from_json
 from megatron_async.observability.tracking import NullTracker
 from megatron_async.run.report import StepReport, batch_metrics
 from megatron_async.run.rollout_state import RolloutState, build_controllers
@@ -120,3 +122,9 @@ def test_batch_metrics_count_every_sample_and_average_the_scored_ones():
     assert (m["rollout/prompts"], m["rollout/samples"], m["balance/k"]) == (2.0, 4.0, 2.0)
     assert m["reward/mean"] == 0.5 and m["rollout/multi_version_samples"] == 1.0
     assert [s.reward for s in b.scored()] == [1.0, 0.0, 0.5]
+
+
+def test_a_buffer_saved_in_the_old_layout_is_refused_in_one_line():
+    """Checkpoints saved before the one sample record held parallel lists: refused, not a KeyError."""
+    with pytest.raises(ValueError, match="layout before the one sample record"):
+        batch_from_json({"problems": [], "completions": [], "rewards": []})

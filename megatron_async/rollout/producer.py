@@ -198,6 +198,10 @@ def batch_to_json(batch: RolloutBatch) -> dict:
 
 
 def batch_from_json(data: dict) -> RolloutBatch:
+    if "samples" not in data:  # the parallel-list layout of checkpoints saved before the one sample record
+        raise ValueError("the checkpoint's rollout buffer is in the layout before the one sample record "
+                         "(megatron_async/sample.py): resume it with the code that saved it")
+
     def sample(s: dict) -> Sample:
         return Sample(**dict(s, prompt_token_ids=tuple(s["prompt_token_ids"]), token_ids=tuple(s["token_ids"]),
                              logprobs=None if s["logprobs"] is None else tuple(s["logprobs"])))
