@@ -23,12 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
-import torch
 import yaml
 
 from megatron_async.algorithms import ALGORITHMS
-from megatron_async.cluster.cpu_affinity import AMX_BF16_FLAG, cpu_flags
 from megatron_async.io_utils import atomic_write_text
+from megatron_async.transports import LOOPBACK_HOSTS, TRANSPORTS, WeightTransport
 
 _FLOAT_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
@@ -36,24 +35,11 @@ _FLOAT_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 TOKEN_ENV = "MEGATRON_ASYNC_ROLLOUT_TOKEN"  # rollout.token when the config leaves it empty
 
 
-# Allowed-value sets used beyond the schema, each defined once here.
-OnLongPrompt = Literal["error", "drop"]  # data.on_long_prompt
-WeightTransport = Literal["auto", "shm", "http", "nccl", "gloo"]  # rollout.weight_transport
-BROADCAST_TRANSPORTS = ("nccl", "gloo")  # weights/broadcast.py's; the others are weights/host_memory.py's
+OnLongPrompt = Literal["error", "drop"]  # data.on_long_prompt, the one allowed-value set used beyond the schema
 if TYPE_CHECKING:  # the registry's names are known when it is imported, not to a type checker
     AlgorithmName = str
 else:
     AlgorithmName = Literal[tuple(ALGORITHMS)]  # trainer.algorithm: the registry's names (checked on load)
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})  # a host only this machine reaches
-# rollout.weight_transport -> the vLLM weight-transfer engine the replicas run (weights/vllm_plugin.py
-# registers them): mas_cpu (host memory, weights/engines.py) unless the transport broadcasts
-HOST_MEMORY_ENGINE = "mas_cpu"
-BROADCAST_ENGINES = {"nccl": "mas_nccl", "gloo": "mas_gloo"}  # weights/engines.py
-
-
-def weight_engine(transport: str) -> str:
-    """The engine replicas run for `rollout.weight_transport` (as `weight_transport(cfg)` resolves it)."""
-    return BROADCAST_ENGINES.get(transport, HOST_MEMORY_ENGINE)
 
 
 def opt(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None) -> Any:
@@ -65,69 +51,6 @@ def opt(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key and the value."""
-
-
-def model_dtype(model: "ModelConfig", cuda: bool | None = None) -> tuple[str, str]:
-    """The model's dtype for `model.dtype` -> (dtype, why), the learner's and the replicas' (vLLM)
-    alike: the learner trains in it (bf16: bf16 parameters with fp32 main weights, grads and Adam
-    state, megatron's mixed-precision optimizer; learner/optimizer.py) and sends its weights in it.
-    "auto" picks, on this machine:
-    - bfloat16 where a CUDA device is visible. Counted with torch.cuda.device_count(), which asks
-      NVML and so neither initialises CUDA nor makes a later fork unsafe (torch.cuda.is_available() would);
-    - float32 for the built-in tiny model: bf16 buys it nothing (its 128-wide layers cost dispatch, not
-      arithmetic: a learner step 0.070-0.078 s in bf16 against 0.066-0.071 s in fp32 even with AMX)
-      and fp32 keeps its replica's logprobs equal to the learner's;
-    - bfloat16 on a CPU with AMX (amx_bf16), whose tile units multiply bf16: SmolLM2-135M generates
-      2.6x faster (429 against 167 tokens/s) and a learner step (8 x 64 tokens) takes 2.9 s against 4.8 s
-      (1.65x), 2026-12-03;
-    - float32 on any other CPU: without avx512_bf16 vLLM emulates bf16 (SmolLM2-135M ~35 tokens/s
-      against ~180 in fp32), and with avx512_bf16 alone bf16 generated no faster than fp32 (one core,
-      2026-12-03: 115 and 115 tokens/s for 32 sequences x 192 tokens, 140 against 172 for 64 x 64),
-      and the learner's step was 1.6x slower on one such CPU, ~1.25x faster on another (docs/
-      performance.md, "bf16 learner on CPU"): not enough to change the default. All figures:
-      docs/real-models.md, "bf16 on CPU".
-    `cuda`: decide for a machine with (True) or without (False) a CUDA device instead of this one
-    (`plan-sync` plans a GPU run from anywhere)."""
-    if model.dtype != "auto":
-        return model.dtype, "model.dtype"
-    if (torch.cuda.device_count() > 0) if cuda is None else cuda:
-        return "bfloat16", "auto: a CUDA device"
-    if model.hf_path == "tiny":
-        return "float32", "auto: the built-in tiny model"
-    if AMX_BF16_FLAG in cpu_flags():
-        return "bfloat16", f"auto: this CPU has {AMX_BF16_FLAG}"
-    return "float32", f"auto: a CPU without {AMX_BF16_FLAG}"
-
-
-replica_dtype = model_dtype  # the name rollout/, weights/ and run/ call it by, for the replicas
-
-
-def sync_bucket_bytes(setting: int | str, transport: str) -> int:
-    """rollout.sync_bucket_mb -> bytes: auto is vLLM's packed buffer (1 GiB) over nccl / gloo, where
-    the buffers of a stage go in one call, and 64 MiB over shm / http, one call per bucket."""
-    if setting != "auto":
-        return int(setting) << 20
-    return (1024 if transport in BROADCAST_TRANSPORTS else 64) << 20
-
-
-def weight_transport(cfg: "Config", cuda: bool | None = None) -> tuple[str, str]:
-    """`rollout.weight_transport` -> (the transport, why); "auto" stays "auto" where it means host
-    memory (shm or http per replica, weights/host_memory.carrier_for). The learner's senders
-    (weights/update.py) and the replicas' engine (rollout/build.py) ask it alike. auto picks nccl
-    for GPU replicas: on a CUDA machine (torch.cuda.device_count(), as the dtype's auto) the replicas this
-    run starts get GPUs (cluster/placement.py). NOTE: nccl's GPU communicator (vLLM's PyNccl) has
-    not yet run on a GPU in this project; everything else of its path runs in CI over gloo.
-    `cuda`: as `model_dtype`'s."""
-    r = cfg.rollout
-    if r.weight_transport != "auto":
-        return r.weight_transport, "rollout.weight_transport"
-    if r.replica_urls:
-        return "auto", "auto: servers started elsewhere (rollout.replica_urls) run an engine this run did not choose"
-    if r.sync_full_every not in ("auto", 0):
-        return "auto", f"auto: delta sync (rollout.sync_full_every={r.sync_full_every}) is built for host memory"
-    if (torch.cuda.device_count() > 0) if cuda is None else cuda:
-        return "nccl", "auto: GPU replicas (a CUDA machine); nccl's GPU communicator has not yet run on a GPU"
-    return "auto", "auto: CPU replicas"
 
 
 TORCHRUN_GRACE_S = 60  # torchrun's wait beyond run.stop_deadline_s: the ranks' exit after their save or stop at once
@@ -663,12 +586,12 @@ def validate(cfg: Config) -> None:
     _require(r.sync_full_every in ("auto", 0) or (isinstance(r.sync_full_every, int) and r.sync_full_every >= 2),
              "rollout.sync_full_every", r.sync_full_every,
              "must be auto, 0 (every sync full) or >= 2 (a full sync every N, deltas between)")
-    _require(r.sync_full_every in ("auto", 0) or r.weight_transport != "nccl", "rollout.sync_full_every",
+    _require(r.sync_full_every in ("auto", 0) or TRANSPORTS[r.weight_transport].delta, "rollout.sync_full_every",
              r.sync_full_every, "delta sync is built for the host-memory transports and gloo, not "
-                                "rollout.weight_transport=nccl; on GPU, vLLM's sparse_nccl backend is the path "
+                                f"rollout.weight_transport={r.weight_transport}; on GPU, vLLM's sparse_nccl backend is the path "
                                 "(docs/replicas-and-weight-sync.md)")
     _require(cfg.tracking.flush_timeout_s > 0, "tracking.flush_timeout_s", cfg.tracking.flush_timeout_s, "must be > 0")
-    if r.weight_transport == "shm":
+    if TRANSPORTS[r.weight_transport].loopback_only:
         _require(r.host in LOOPBACK_HOSTS and not cfg.placement.dedicated_replica_node and not r.replica_urls,
                  "rollout.weight_transport", r.weight_transport,
                  f"shared memory needs the replicas on the learner's host (rollout.host={r.host!r}, "
@@ -719,6 +642,46 @@ def validate(cfg: Config) -> None:
     _require(par.overlap_param_gather is not True or par.overlap_grad_reduce is not False,
              "parallel.overlap_param_gather", par.overlap_param_gather,
              "needs parallel.overlap_grad_reduce (true or null), as megatron-core requires")
+    _check_placement(cfg)
+
+
+def _gpu_ids(p: PlacementConfig, key: str) -> list[int] | None:
+    """placement.<key> as a list of CUDA ids, or None for "auto"; checks ints >= 0 without duplicates."""
+    value = getattr(p, key)
+    if value == "auto":
+        return None
+    _require(not isinstance(value, str), f"placement.{key}", value, 'expected a list of CUDA device ids or "auto"')
+    _require(bool(value) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value),
+             f"placement.{key}", value, "expected a non-empty list of CUDA device ids (ints >= 0)")
+    _require(len(set(value)) == len(value), f"placement.{key}", value, "a device id is listed twice")
+    return list(value)
+
+
+def _check_placement(cfg: Config) -> None:
+    """Where things run, as far as the config alone says: node numbers, id lists, explicit overlap
+    (the GPU counts of the nodes: cluster/placement.py at launch)."""
+    p, r = cfg.placement, cfg.rollout
+    _require(p.nnodes >= 1, "placement.nnodes", p.nnodes, "must be >= 1")
+    _require(0 <= p.replica_node < p.nnodes, "placement.replica_node", p.replica_node,
+             f"must be a node rank in [0, {p.nnodes})")
+    _require(p.replica_node == 0 or p.dedicated_replica_node, "placement.replica_node", p.replica_node,
+             "must be 0 unless placement.dedicated_replica_node is true. Replicas on a learner node are subprocesses "
+             "of global learner rank 0, which a static torchrun rendezvous puts on node 0; a node that only hosts "
+             "replicas runs `megatron-async serve-replica`")
+    if p.dedicated_replica_node:
+        _require(p.nnodes >= 2, "placement.dedicated_replica_node", True,
+                 f"needs placement.nnodes >= 2 (the replica node runs no learner ranks), got {p.nnodes}")
+        _require(bool(r.token), "rollout.token", "", "a dedicated replica node needs the shared secret: learner rank "
+                 "0 and `serve-replica` authenticate with it (set it or $MEGATRON_ASYNC_ROLLOUT_TOKEN)")
+    _require(p.gpus_per_node >= 0, "placement.gpus_per_node", p.gpus_per_node, "must be >= 0 (0 = detect)")
+    learner, replica = _gpu_ids(p, "learner_gpus"), _gpu_ids(p, "replica_gpus")
+    need = r.num_replicas * r.replica_tp
+    _require(replica is None or len(replica) >= need, "placement.replica_gpus", replica,
+             f"{len(replica or [])} GPUs cannot hold rollout.num_replicas x rollout.replica_tp = "
+             f"{r.num_replicas} x {r.replica_tp} = {need}")
+    both = set(learner or []) & set(replica or [])
+    _require(not both or p.dedicated_replica_node, "placement.learner_gpus", learner,
+             f"overlaps placement.replica_gpus = {replica} (GPUs {sorted(both)}); the replica node needs them apart")
 
 
 # ----------------------------------------------------------------------------- saving

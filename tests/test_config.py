@@ -8,9 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_async.config import (
-    Config, ConfigError, DuplicateKeyLoader, flatten, load_config, save_config, weight_transport,
+    Config, ConfigError, DuplicateKeyLoader, flatten, load_config, save_config,
 )
 from megatron_async.run.preflight import preflight
+from megatron_async.run_plan import weight_transport
 
 
 def write(tmp_path, data, name="c.yaml"):

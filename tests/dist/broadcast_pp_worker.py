@@ -71,6 +71,7 @@ def main():
     from megatron_async.learner.parallel import destroy_parallel, from_rank0, init_parallel
     from megatron_async.rollout import ReplicaPool
     from megatron_async.weights.build import build_weight_update
+    from megatron_async.run_plan import build_plan
     from megatron_async.weights.update import WeightSyncError
     from tests.rollout_fixtures import KillingWire, max_logprob_diff, spec, wait_for
 
@@ -87,7 +88,7 @@ def main():
         model = build_model(a.model)
         load_hf_weights(model, a.model)
         ddp, opt, sched = build_optimizer(model, OptimSettings(lr=1e-2, clip_grad=1.0))
-        weights = build_weight_update(cfg, layout, ctrl, pool, urls, key)
+        weights = build_weight_update(cfg, build_plan(cfg), layout, ctrl, pool, urls, key)
         last_sender = layout.is_last_stage and weights.sender is not None
         if weights.sender is not None:
             weights.sender.bucket_bytes = BUCKET_BYTES
