@@ -125,13 +125,14 @@ def main(argv: list[str] | None = None) -> int:
             break
     args = parse_args(argv)
 
-    from megatron_async.config import ConfigError, explain, load_config, to_yaml
+    from megatron_async.config import Config, ConfigError, load_config
+    from megatron_async.config_io import explain, to_yaml
     from megatron_async.observability.logs import setup_logging
 
     setup_logging(args.log_level)
     try:
         if args.command == "config" and args.explain is not None:
-            print(explain(args.explain))
+            print(explain(Config(), args.explain))
             return 0
         if args.config is None:
             raise ConfigError("no config file given (megatron-async config CFG [overrides], or --explain [KEY])")

@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from megatron_async.cluster.cpu_affinity import unpinned_before_replicas
 from megatron_async.cluster.placement import check_reachable, learner_device_index
-from megatron_async.config import Config, flatten, save_config
+from megatron_async.config import Config
+from megatron_async.config_io import flatten, save_config
 from megatron_async.learner.hf_export import export_hf
 from megatron_async.learner.mapping import iter_hf_weights
 from megatron_async.learner.parallel import from_rank0, init_parallel
