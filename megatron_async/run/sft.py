@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from megatron_async.algorithms import batching
