@@ -137,12 +137,13 @@ def main(argv: list[str] | None = None) -> int:
             break
     args = parse_args(argv)
 
-    from megatron_async.config import ConfigError, explain, load_config, to_yaml
+    from megatron_async.config import Config, ConfigError, load_config
+    from megatron_async.config_io import explain, to_yaml
 
     setup_logging(args.log_level)
     try:
         if args.command == "config" and args.explain is not None:
-            print(explain(args.explain))
+            print(explain(Config(), args.explain))
             return 0
         if args.config is None:
             raise ConfigError("no config file given (megatron-async config CFG [overrides], or --explain [KEY])")
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_placement(cfg, node_rank: int) -> int:
     """Shell assignments for one node (launch scripts `eval` them): how many learner ranks, which GPUs."""
-    from megatron_async.cluster.placement import check_fit, check_static, learner_nodes
+    from megatron_async.cluster.placement import check_fit, learner_nodes
     from megatron_async.config import ConfigError
 
     p = cfg.placement
@@ -187,7 +188,6 @@ def _print_placement(cfg, node_rank: int) -> int:
         print(f"megatron-async: --node-rank {node_rank} is not in [0, placement.nnodes={p.nnodes})", file=sys.stderr)
         return 2
     try:
-        check_static(cfg)
         layouts = check_fit(cfg, p.gpus_per_node, cfg.parallel.world_size or None)
     except ConfigError as e:
         print(f"megatron-async: config error: {e}", file=sys.stderr)

@@ -1,15 +1,15 @@
-"""Typed run configuration: the schema, YAML files plus dotted command-line overrides, validation.
+"""Typed run configuration: the schema and the checks of the config alone.
 
     cfg = load_config("configs/cpu_tiny.yaml", ["trainer.lr=1e-6", "rollout.max_lag=0"])
     megatron-async config --explain trainer.lr       # every key's type, default and help
 
 Every key is a field of a dataclass below, declared with `opt(default, help)`. Loading checks the
-config on its own, once: unknown keys, keys given twice in a file, wrong types, values out of
-range and settings that cannot work together (TP must divide the tiny model's heads and query
+config on its own, once: unknown keys, keys given twice in a file and wrong types (config_io.py,
+which reads the files), values out of range and settings that cannot work together (TP must divide the tiny model's heads and query
 groups, lag >= 0, K as the algorithm needs, ...). What needs the world (files, model
 architectures, data, CPUs, GPUs) is checked by `run.preflight` before anything starts. Each
 failure is one `ConfigError` naming the key, the value and where it came from (file or command
-line).
+line). What `auto` means on a machine is the run plan's (run_plan.py), not this module's.
 """
 from __future__ import annotations
 
@@ -17,43 +17,22 @@ import dataclasses
 import math
 import os
 import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
-import torch
-import yaml
-
 from megatron_async.algorithms import ALGORITHMS
-from megatron_async.cluster.cpu_affinity import AMX_BF16_FLAG, cpu_flags
-from megatron_async.io_utils import atomic_write_text
-
-_FLOAT_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-
+from megatron_async.config_io import ConfigError, apply_file, apply_overrides
+from megatron_async.transports import LOOPBACK_HOSTS, TRANSPORTS, WeightTransport
 
 TOKEN_ENV = "MEGATRON_ASYNC_ROLLOUT_TOKEN"  # rollout.token when the config leaves it empty
 
 
-# Allowed-value sets used beyond the schema, each defined once here.
-OnLongPrompt = Literal["error", "drop"]  # data.on_long_prompt
-WeightTransport = Literal["auto", "shm", "http", "nccl", "gloo"]  # rollout.weight_transport
-BROADCAST_TRANSPORTS = ("nccl", "gloo")  # weights/broadcast.py's; the others are weights/host_memory.py's
+OnLongPrompt = Literal["error", "drop"]  # data.on_long_prompt, the one allowed-value set used beyond the schema
 if TYPE_CHECKING:  # the registry's names are known when it is imported, not to a type checker
     AlgorithmName = str
 else:
     AlgorithmName = Literal[tuple(ALGORITHMS)]  # trainer.algorithm: the registry's names (checked on load)
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})  # a host only this machine reaches
-# rollout.weight_transport -> the vLLM weight-transfer engine the replicas run (weights/vllm_plugin.py
-# registers them): mas_cpu (host memory, weights/engines.py) unless the transport broadcasts
-HOST_MEMORY_ENGINE = "mas_cpu"
-BROADCAST_ENGINES = {"nccl": "mas_nccl", "gloo": "mas_gloo"}  # weights/engines.py
-
-
-def weight_engine(transport: str) -> str:
-    """The engine replicas run for `rollout.weight_transport` (as `weight_transport(cfg)` resolves it)."""
-    return BROADCAST_ENGINES.get(transport, HOST_MEMORY_ENGINE)
 
 
 def opt(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None) -> Any:
@@ -61,73 +40,6 @@ def opt(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable
     if factory is not None:
         return field(default_factory=factory, metadata={"help": help})
     return field(default=default, metadata={"help": help})
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the key and the value."""
-
-
-def model_dtype(model: "ModelConfig", cuda: bool | None = None) -> tuple[str, str]:
-    """The model's dtype for `model.dtype` -> (dtype, why), the learner's and the replicas' (vLLM)
-    alike: the learner trains in it (bf16: bf16 parameters with fp32 main weights, grads and Adam
-    state, megatron's mixed-precision optimizer; learner/optimizer.py) and sends its weights in it.
-    "auto" picks, on this machine:
-    - bfloat16 where a CUDA device is visible. Counted with torch.cuda.device_count(), which asks
-      NVML and so neither initialises CUDA nor makes a later fork unsafe (torch.cuda.is_available() would);
-    - float32 for the built-in tiny model: bf16 buys it nothing (its 128-wide layers cost dispatch, not
-      arithmetic: a learner step 0.070-0.078 s in bf16 against 0.066-0.071 s in fp32 even with AMX)
-      and fp32 keeps its replica's logprobs equal to the learner's;
-    - bfloat16 on a CPU with AMX (amx_bf16), whose tile units multiply bf16: SmolLM2-135M generates
-      2.6x faster (429 against 167 tokens/s) and a learner step (8 x 64 tokens) takes 2.9 s against 4.8 s
-      (1.65x), 2026-12-03;
-    - float32 on any other CPU: without avx512_bf16 vLLM emulates bf16 (SmolLM2-135M ~35 tokens/s
-      against ~180 in fp32), and with avx512_bf16 alone bf16 generated no faster than fp32 (one core,
-      2026-12-03: 115 and 115 tokens/s for 32 sequences x 192 tokens, 140 against 172 for 64 x 64),
-      and the learner's step was 1.6x slower on one such CPU, ~1.25x faster on another (docs/
-      performance.md, "bf16 learner on CPU"): not enough to change the default. All figures:
-      docs/real-models.md, "bf16 on CPU".
-    `cuda`: decide for a machine with (True) or without (False) a CUDA device instead of this one
-    (`plan-sync` plans a GPU run from anywhere)."""
-    if model.dtype != "auto":
-        return model.dtype, "model.dtype"
-    if (torch.cuda.device_count() > 0) if cuda is None else cuda:
-        return "bfloat16", "auto: a CUDA device"
-    if model.hf_path == "tiny":
-        return "float32", "auto: the built-in tiny model"
-    if AMX_BF16_FLAG in cpu_flags():
-        return "bfloat16", f"auto: this CPU has {AMX_BF16_FLAG}"
-    return "float32", f"auto: a CPU without {AMX_BF16_FLAG}"
-
-
-replica_dtype = model_dtype  # the name rollout/, weights/ and run/ call it by, for the replicas
-
-
-def sync_bucket_bytes(setting: int | str, transport: str) -> int:
-    """rollout.sync_bucket_mb -> bytes: auto is vLLM's packed buffer (1 GiB) over nccl / gloo, where
-    the buffers of a stage go in one call, and 64 MiB over shm / http, one call per bucket."""
-    if setting != "auto":
-        return int(setting) << 20
-    return (1024 if transport in BROADCAST_TRANSPORTS else 64) << 20
-
-
-def weight_transport(cfg: "Config", cuda: bool | None = None) -> tuple[str, str]:
-    """`rollout.weight_transport` -> (the transport, why); "auto" stays "auto" where it means host
-    memory (shm or http per replica, weights/host_memory.carrier_for). The learner's senders
-    (weights/update.py) and the replicas' engine (rollout/build.py) ask it alike. auto picks nccl
-    for GPU replicas: on a CUDA machine (torch.cuda.device_count(), as the dtype's auto) the replicas this
-    run starts get GPUs (cluster/placement.py). NOTE: nccl's GPU communicator (vLLM's PyNccl) has
-    not yet run on a GPU in this project; everything else of its path runs in CI over gloo.
-    `cuda`: as `model_dtype`'s."""
-    r = cfg.rollout
-    if r.weight_transport != "auto":
-        return r.weight_transport, "rollout.weight_transport"
-    if r.replica_urls:
-        return "auto", "auto: servers started elsewhere (rollout.replica_urls) run an engine this run did not choose"
-    if r.sync_full_every not in ("auto", 0):
-        return "auto", f"auto: delta sync (rollout.sync_full_every={r.sync_full_every}) is built for host memory"
-    if (torch.cuda.device_count() > 0) if cuda is None else cuda:
-        return "nccl", "auto: GPU replicas (a CUDA machine); nccl's GPU communicator has not yet run on a GPU"
-    return "auto", "auto: CPU replicas"
 
 
 TORCHRUN_GRACE_S = 60  # torchrun's wait beyond run.stop_deadline_s: the ranks' exit after their save or stop at once
@@ -178,11 +90,9 @@ class ModelConfig:
     tiny_heads: int = opt(4, "tiny model only")
     tiny_kv_heads: int = opt(2, "tiny model only")
     dtype: Literal["auto", "float32", "bfloat16"] = opt("auto",
-        "the model's dtype, the learner's and the replicas' (vLLM): the learner trains in it (bfloat16: bf16 "
-        "parameters with fp32 main weights, grads and Adam state, megatron's mixed-precision optimizer, on CPU "
-        "too) and sends its weights in it. auto (logged when the learner and the replicas start): bfloat16 on "
-        "GPU and on CPUs with AMX, float32 on other CPUs (measured slower in bf16, with or without avx512_bf16) "
-        "and for the built-in tiny model (config.model_dtype).")
+        "the learner's and the replicas' (vLLM) dtype; bfloat16 trains with fp32 main weights, grads and Adam "
+        "state. auto (the run plan's, logged at launch): bfloat16 on GPU and on CPUs with AMX, else float32, "
+        "and float32 for the built-in tiny model (run_plan.model_dtype)")
     make_vocab_size_divisible_by: int = opt(128,
         "the learner pads its vocabulary (embedding and output-layer rows) to a multiple of this x parallel.tp, "
         "as megatron-LM does (default 128, megatron's), so a vocab_size TP does not divide (32001, 1003) still "
@@ -287,23 +197,13 @@ class RolloutConfig:
         "double-buffered, all of a stage in one call. auto = 64 for shm/http, 1024 for nccl/gloo")
     sync_timeout_s: float = opt(120.0, "a weight sync slower than this fails loudly")
     sync_full_every: int | Literal["auto"] = opt("auto",
-        "0 = every weight sync sends every weight; N >= 2 = delta sync: send only the elements that changed "
-        "since the last sync (index and new value, where smaller than the tensor), a full sync every N syncs and "
-        "after any replica failure or restart (weights/delta.py; transports auto, shm, http, gloo; not nccl). "
-        "Each replica and the sender then keep a host copy of the weights. It saves bytes, not the replica's "
-        "loading. auto = 10 where a replica is reached over http and the replicas are bf16 (measured: SmolLM2 "
-        "1.05 s against 8.8 s), else 0 (over shm and gloo the replica's loading, not the bytes, sets a sync's "
-        "time, and the delta's encoding costs more than it saves; docs/replicas-and-weight-sync.md)")
+        "0 = every weight sync sends every weight; N >= 2 = delta sync: only the changed elements, a full sync "
+        "every N syncs and after a replica failure (weights/delta.py; not over nccl). auto = 10 where a replica "
+        "is reached over http and the replicas are bf16, else 0 (run_plan.resolve_full_every)")
     weight_transport: WeightTransport = opt("auto",
-        "how weight buckets reach the replicas' weight-transfer engine: shm (a /dev/shm segment; replicas "
-        "on this host), http (inline in the request body; any host) (weights/host_memory.py); nccl (vLLM's "
-        "NCCL engine, GPU replicas; its GPU communicator has not yet run on a GPU), gloo (the same sender and "
-        "engine code with a gloo communicator: any host, CPU) (weights/broadcast.py: any learner TP x PP x DP, "
-        "each pipeline stage over its own groups); auto (config.weight_transport) = nccl on a CUDA machine "
-        "for the replicas this run starts (GPU replicas: an 8B bf16 sync through host memory is estimated at "
-        "1.6-6 s, docs/scaling.md), else host memory: shm for loopback replicas, http for others, and always "
-        "for rollout.replica_urls (servers started elsewhere, engine unknown) or with delta sync "
-        "(rollout.sync_full_every >= 2)")
+        "how weights reach the replicas (transports.py): shm (/dev/shm, replicas on this host) or http (any "
+        "host) through host memory; nccl (GPU replicas) or gloo (CPU) through process groups. auto "
+        "(run_plan.weight_transport): nccl for the GPU replicas this run starts, else shm or http per replica")
     rendezvous_address: str = opt("",
         "weight_transport=nccl/gloo: the address replicas reach the learner's sender at (its process "
         "group's TCP rendezvous); \"\" = 127.0.0.1 for replicas on this host, else the address this host "
@@ -469,139 +369,15 @@ class Config:
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Defaults, then the YAML file at `path`, then `key.sub=value` overrides; then validate."""
+    """Defaults, then the YAML file at `path`, then `key.sub=value` overrides (config_io.py); then validate."""
     cfg = Config()
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            with open(p, "rb") as f:  # a named stream: DuplicateKeyLoader names the file
-                data = yaml.load(f, Loader=DuplicateKeyLoader) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(data).__name__}")
-        _apply_mapping(cfg, data, prefix="", source=str(p))
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"override {item!r}: expected key.sub=value")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            value = raw
-        _set_dotted(cfg, key.strip(), value, source="command line")
+        apply_file(cfg, path)
+    apply_overrides(cfg, overrides)
     if not cfg.rollout.token:
         cfg.rollout.token = os.environ.get(TOKEN_ENV, "")
     validate(cfg)
     return cfg
-
-
-class DuplicateKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a key given twice in one mapping, at any depth: PyYAML keeps the
-    last one silently, so a key set again further down a config file would quietly win over the
-    first. Raises ConfigError naming the file, the key and both lines. Merge keys (`<<: *anchor`)
-    may still be overridden, as YAML intends."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        first_line: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
-            if not isinstance(key, typing.Hashable):  # SafeLoader's own error says so
-                break
-            if key in first_line:
-                raise ConfigError(f"{key_node.start_mark.name}: key {key!r} given twice (lines "
-                                  f"{first_line[key]} and {line})")
-            first_line[key] = line
-        return super().construct_mapping(node, deep)
-
-
-def _apply_mapping(obj: Any, data: dict, prefix: str, source: str) -> None:
-    for key, value in data.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and dataclasses.is_dataclass(_field_value(obj, str(key), dotted, source)):
-            _apply_mapping(getattr(obj, key), value, prefix=f"{dotted}.", source=source)
-        else:
-            _set_dotted(obj, str(key), value, source=source, full_key=dotted)
-
-
-def _field_value(obj: Any, key: str, dotted: str, source: str) -> Any:
-    names = [f.name for f in dataclasses.fields(obj)]
-    if key not in names:
-        raise ConfigError(f"{source}: unknown key '{dotted}' (known here: {', '.join(names)})")
-    return getattr(obj, key)
-
-
-def _set_dotted(cfg: Any, key: str, value: Any, source: str, full_key: str | None = None) -> None:
-    full_key = full_key or key
-    *parents, leaf = key.split(".")
-    obj, walked = cfg, []
-    for part in parents:
-        walked.append(part)
-        obj = _field_value(obj, part, ".".join(walked), source)
-        if not dataclasses.is_dataclass(obj):
-            raise ConfigError(f"{source}: '{'.'.join(walked)}' is a value, not a section (key '{full_key}')")
-    current = _field_value(obj, leaf, full_key, source)
-    if dataclasses.is_dataclass(current):
-        raise ConfigError(f"{source}: '{full_key}' is a section; set one of its keys, e.g. {full_key}.<key>=...")
-    hint = typing.get_type_hints(type(obj))[leaf]
-    setattr(obj, leaf, _coerce(value, hint, full_key, source))
-
-
-def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
-    """Check `value` against the field's type; ints widen to float, nothing else is guessed."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    bad = ConfigError(f"{source}: key '{key}': expected {_type_name(hint)}, got {value!r}")
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{source}: key '{key}': {value!r} is not one of {', '.join(map(repr, args))}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        for option in inner[:-1]:  # the first type that accepts the value, as declared
-            try:
-                return _coerce(value, option, key, source)
-            except ConfigError:
-                pass
-        return _coerce(value, inner[-1], key, source)
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise bad
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad
-        return value
-    if hint is float:
-        if isinstance(value, str) and _FLOAT_LITERAL.fullmatch(value.strip()):
-            return float(value)  # YAML 1.1 reads `1e-6` (no dot) as a string
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise bad
-        return value
-    if hint is list or origin is list:
-        if not isinstance(value, list):
-            raise bad
-        return value
-    if hint is dict or origin is dict:
-        if not isinstance(value, dict):
-            raise bad
-        return value
-    raise bad
-
-
-def _type_name(hint: Any) -> str:
-    if typing.get_origin(hint) is Literal:
-        return "one of " + ", ".join(map(repr, typing.get_args(hint)))
-    return getattr(hint, "__name__", str(hint))
 
 
 # ----------------------------------------------------------------------------- validation
@@ -663,12 +439,12 @@ def validate(cfg: Config) -> None:
     _require(r.sync_full_every in ("auto", 0) or (isinstance(r.sync_full_every, int) and r.sync_full_every >= 2),
              "rollout.sync_full_every", r.sync_full_every,
              "must be auto, 0 (every sync full) or >= 2 (a full sync every N, deltas between)")
-    _require(r.sync_full_every in ("auto", 0) or r.weight_transport != "nccl", "rollout.sync_full_every",
+    _require(r.sync_full_every in ("auto", 0) or TRANSPORTS[r.weight_transport].delta, "rollout.sync_full_every",
              r.sync_full_every, "delta sync is built for the host-memory transports and gloo, not "
-                                "rollout.weight_transport=nccl; on GPU, vLLM's sparse_nccl backend is the path "
+                                f"rollout.weight_transport={r.weight_transport}; on GPU, vLLM's sparse_nccl backend is the path "
                                 "(docs/replicas-and-weight-sync.md)")
     _require(cfg.tracking.flush_timeout_s > 0, "tracking.flush_timeout_s", cfg.tracking.flush_timeout_s, "must be > 0")
-    if r.weight_transport == "shm":
+    if TRANSPORTS[r.weight_transport].loopback_only:
         _require(r.host in LOOPBACK_HOSTS and not cfg.placement.dedicated_replica_node and not r.replica_urls,
                  "rollout.weight_transport", r.weight_transport,
                  f"shared memory needs the replicas on the learner's host (rollout.host={r.host!r}, "
@@ -719,63 +495,43 @@ def validate(cfg: Config) -> None:
     _require(par.overlap_param_gather is not True or par.overlap_grad_reduce is not False,
              "parallel.overlap_param_gather", par.overlap_param_gather,
              "needs parallel.overlap_grad_reduce (true or null), as megatron-core requires")
+    _check_placement(cfg)
 
 
-# ----------------------------------------------------------------------------- saving
+def _gpu_ids(p: PlacementConfig, key: str) -> list[int] | None:
+    """placement.<key> as a list of CUDA ids, or None for "auto"; checks ints >= 0 without duplicates."""
+    value = getattr(p, key)
+    if value == "auto":
+        return None
+    _require(not isinstance(value, str), f"placement.{key}", value, 'expected a list of CUDA device ids or "auto"')
+    _require(bool(value) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value),
+             f"placement.{key}", value, "expected a non-empty list of CUDA device ids (ints >= 0)")
+    _require(len(set(value)) == len(value), f"placement.{key}", value, "a device id is listed twice")
+    return list(value)
 
 
-def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-SECRET_KEYS = frozenset({"token", "password", "secret", "api_key"})  # leaf names never written out
-
-
-def flatten(cfg: Config, redact: bool = True) -> dict[str, Any]:
-    """{'trainer.lr': 5e-05, ...}; secrets (tokens) are replaced by '***' unless redact=False."""
-    flat: dict[str, Any] = {}
-
-    def walk(d: dict, prefix: str) -> None:
-        for k, v in d.items():
-            if isinstance(v, dict):
-                walk(v, f"{prefix}{k}.")
-            else:
-                flat[f"{prefix}{k}"] = "***" if redact and v and k in SECRET_KEYS else v
-
-    walk(to_dict(cfg), "")
-    return flat
-
-
-def to_yaml(cfg: Config) -> str:
-    """The resolved config as YAML, secrets redacted."""
-    nested: dict = {}
-    for key, value in flatten(cfg).items():
-        section, leaf = key.split(".", 1)
-        nested.setdefault(section, {})[leaf] = value
-    return yaml.safe_dump(nested, sort_keys=False)
-
-
-def save_config(cfg: Config, path: str | os.PathLike) -> Path:
-    """Write the resolved config as YAML (secrets redacted), atomically."""
-    return atomic_write_text(path, to_yaml(cfg))
-
-
-def explain(key: str = "") -> str:
-    """Every config key under `key` ("" = all, a section such as "trainer", or one key) with its
-    type, default and help text, read from the schema."""
-    lines: list[str] = []
-
-    def walk(obj: Any, prefix: str) -> None:
-        hints = typing.get_type_hints(type(obj))
-        for f in dataclasses.fields(obj):
-            dotted, value = f"{prefix}{f.name}", getattr(obj, f.name)
-            if dataclasses.is_dataclass(value):
-                walk(value, f"{dotted}.")
-            elif not key or dotted == key or dotted.startswith(f"{key}."):
-                lines.append(f"{dotted} ({_type_name(hints[f.name])}, default {value!r})\n"
-                             f"    {f.metadata.get('help', '')}")
-
-    walk(Config(), "")
-    if not lines:
-        raise ConfigError(f"unknown key '{key}' (sections: {', '.join(f.name for f in dataclasses.fields(Config))})")
-    return "\n".join(lines)
+def _check_placement(cfg: Config) -> None:
+    """Where things run, as far as the config alone says: node numbers, id lists, explicit overlap
+    (the GPU counts of the nodes: cluster/placement.py at launch)."""
+    p, r = cfg.placement, cfg.rollout
+    _require(p.nnodes >= 1, "placement.nnodes", p.nnodes, "must be >= 1")
+    _require(0 <= p.replica_node < p.nnodes, "placement.replica_node", p.replica_node,
+             f"must be a node rank in [0, {p.nnodes})")
+    _require(p.replica_node == 0 or p.dedicated_replica_node, "placement.replica_node", p.replica_node,
+             "must be 0 unless placement.dedicated_replica_node is true. Replicas on a learner node are subprocesses "
+             "of global learner rank 0, which a static torchrun rendezvous puts on node 0; a node that only hosts "
+             "replicas runs `megatron-async serve-replica`")
+    if p.dedicated_replica_node:
+        _require(p.nnodes >= 2, "placement.dedicated_replica_node", True,
+                 f"needs placement.nnodes >= 2 (the replica node runs no learner ranks), got {p.nnodes}")
+        _require(bool(r.token), "rollout.token", "", "a dedicated replica node needs the shared secret: learner rank "
+                 "0 and `serve-replica` authenticate with it (set it or $MEGATRON_ASYNC_ROLLOUT_TOKEN)")
+    _require(p.gpus_per_node >= 0, "placement.gpus_per_node", p.gpus_per_node, "must be >= 0 (0 = detect)")
+    learner, replica = _gpu_ids(p, "learner_gpus"), _gpu_ids(p, "replica_gpus")
+    need = r.num_replicas * r.replica_tp
+    _require(replica is None or len(replica) >= need, "placement.replica_gpus", replica,
+             f"{len(replica or [])} GPUs cannot hold rollout.num_replicas x rollout.replica_tp = "
+             f"{r.num_replicas} x {r.replica_tp} = {need}")
+    both = set(learner or []) & set(replica or [])
+    _require(not both or p.dedicated_replica_node, "placement.learner_gpus", learner,
+             f"overlaps placement.replica_gpus = {replica} (GPUs {sorted(both)}); the replica node needs them apart")

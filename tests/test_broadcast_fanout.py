@@ -162,11 +162,12 @@ def test_replicas_are_grouped_by_the_host_of_their_url_and_one_dropped_with_its_
 def test_the_stages_stream_in_turn_only_where_a_group_spans_several_replicas(transport, urls, pp, turns):
     from megatron_async.config import load_config
     from megatron_async.learner.parallel import ParallelLayout
+    from megatron_async.run_plan import build_plan
     from megatron_async.weights.build import stage_turns
 
-    cfg = load_config(None, [f"rollout.weight_transport={transport}"])
+    plan = build_plan(load_config(None, [f"rollout.weight_transport={transport}"]))
     layout = ParallelLayout(0, pp, 1, pp, 1, 0, 0, 0, torch.device("cpu"))
-    assert stage_turns(cfg, layout, urls) == turns
+    assert stage_turns(plan, layout, urls) == turns
 
 
 class BlockingWire:

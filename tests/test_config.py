@@ -7,10 +7,10 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_async.config import (
-    Config, ConfigError, DuplicateKeyLoader, flatten, load_config, save_config, weight_transport,
-)
+from megatron_async.config import Config, ConfigError, load_config
+from megatron_async.config_io import DuplicateKeyLoader, flatten, save_config
 from megatron_async.run.preflight import preflight
+from megatron_async.run_plan import weight_transport
 
 
 def write(tmp_path, data, name="c.yaml"):
@@ -166,7 +166,7 @@ def test_shipped_configs_are_valid():
         data = yaml.safe_load(p.read_text())
         # GPU configs name model folders that exist only on the user's machine: check keys/types.
         cfg = Config()
-        from megatron_async.config import _apply_mapping
+        from megatron_async.config_io import _apply_mapping
 
         _apply_mapping(cfg, data, prefix="", source=str(p))
 

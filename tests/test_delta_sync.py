@@ -12,7 +12,7 @@ import torch
 
 from megatron_async.rollout import ReplicaPool
 from megatron_async.rollout.replica import ReplicaError
-from megatron_async.weights.build import AUTO_FULL_EVERY, resolve_full_every
+from megatron_async.run_plan import AUTO_FULL_EVERY, resolve_full_every
 from megatron_async.weights.delta import DELTA_SUFFIX, DeltaBaseError, DeltaDecoder, DeltaEncoder, decode_delta, encode_delta
 from megatron_async.weights.host_memory import unpack_bucket
 from megatron_async.weights.update import WeightUpdate

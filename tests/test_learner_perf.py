@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from megatron_async.config import ConfigError, load_config, replica_dtype
+from megatron_async.config import ConfigError, load_config
+from megatron_async.run_plan import build_plan, model_dtype
 from megatron_async.learner.perf import Backend, PerfSettings, resolve
 from tests.dist import run_worker
 
@@ -84,19 +85,19 @@ def test_config_keys_and_static_validation():
 def test_auto_replica_dtype_is_bf16_on_gpu_and_amx_cpus_fp32_elsewhere_and_for_the_tiny_model(monkeypatch):
     import torch
 
-    from megatron_async import config
+    from megatron_async import run_plan
 
     assert load_config(None, []).model.dtype == "auto"
-    assert replica_dtype(load_config(None, ["model.dtype=bfloat16"]).model) == ("bfloat16", "model.dtype")
+    assert model_dtype(load_config(None, ["model.dtype=bfloat16"]).model) == ("bfloat16", "model.dtype")
     checkpoint = load_config(None, ["model.hf_path=runs/smollm2"]).model
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     for flags, want in (({"avx2"}, "float32"), ({"avx2", "avx512_bf16"}, "float32"),
                         ({"avx512_bf16", "amx_bf16"}, "bfloat16")):
-        monkeypatch.setattr(config, "cpu_flags", lambda flags=flags: flags)
-        assert replica_dtype(checkpoint)[0] == want, flags
-        assert replica_dtype(load_config(None, []).model)[0] == "float32", flags  # the tiny model
+        monkeypatch.setattr(run_plan, "cpu_flags", lambda flags=flags: flags)
+        assert model_dtype(checkpoint)[0] == want, flags
+        assert model_dtype(load_config(None, []).model)[0] == "float32", flags  # the tiny model
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert replica_dtype(checkpoint) == ("bfloat16", "auto: a CUDA device")
+    assert model_dtype(checkpoint) == ("bfloat16", "auto: a CUDA device")
 
 
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "no_amx"])
@@ -107,22 +108,21 @@ def test_auto_dtype_on_a_faked_cpu_reaches_the_learner_the_replicas_and_the_sync
     from it over http (deltas pay for 2-byte replicas only)."""
     import torch
 
-    from megatron_async import config
-    from megatron_async.config import model_dtype
+    from megatron_async import run_plan
     from megatron_async.rollout.build import replica_spec
-    from megatron_async.weights.build import AUTO_FULL_EVERY, resolve_full_every
+    from megatron_async.run_plan import AUTO_FULL_EVERY, resolve_full_every
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    monkeypatch.setattr(config, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16", *(["amx_bf16"] if amx else [])})
+    monkeypatch.setattr(run_plan, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16", *(["amx_bf16"] if amx else [])})
     cfg = load_config(None, [f"model.hf_path={tmp_path}"])  # a checkpoint of the user's, not the built-in tiny model
     want = "bfloat16" if amx else "float32"
     assert model_dtype(cfg.model) == (want, "auto: this CPU has amx_bf16" if amx else "auto: a CPU without amx_bf16")
-    assert replica_spec(cfg, tmp_path).dtype == want
+    assert replica_spec(cfg, build_plan(cfg), tmp_path).dtype == want
     full_every, _ = resolve_full_every("auto", "http", ["http://10.0.0.2:8000"], getattr(torch, want))
     assert full_every == (AUTO_FULL_EVERY if amx else 0)
     for stated in ("float32", "bfloat16"):  # a stated precision is the same on every CPU
         fixed = load_config(None, [f"model.hf_path={tmp_path}", f"model.dtype={stated}"])
-        assert model_dtype(fixed.model)[0] == replica_spec(fixed, tmp_path).dtype == stated
+        assert model_dtype(fixed.model)[0] == replica_spec(fixed, build_plan(fixed), tmp_path).dtype == stated
 
 
 def test_cpu_transformer_config_is_unchanged(tiny_ckpts):

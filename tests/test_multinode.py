@@ -24,6 +24,7 @@ import psutil
 import pytest
 
 from megatron_async.config import ConfigError, load_config
+from megatron_async.run_plan import load_plan
 from megatron_async.run.preflight import preflight
 from megatron_async.cluster.placement import check_fit, node_layout
 from tests.e2e_utils import RLOO, assert_one_step_off_policy, assert_trained, coin_flip_data, metrics
@@ -333,3 +334,7 @@ def test_dedicated_replica_node_job(tmp_path):
     assert served == STEPS  # node 1's server holds the learner's final version
     assert re.search(rf"replicas: http://127\.0\.0\.1:{port} \(pids \[None\]\)", logs[0]), logs[0][-3000:]
     assert not (run_dir / "replicas").exists()  # no replica was started on the learner's side
+    # the run plan: rank 0's, saved beside config.yaml; node 1's run folder had none, so serve-replica planned there
+    plan = load_plan(run_dir)
+    assert plan is not None and (plan.model_dtype, plan.weight_engine, plan.sync_full_every) == ("float32", "mas_cpu", 0)
+    assert f"planned here: {plan.describe().split(';')[0]}" in logs[1], logs[1][-3000:]

@@ -12,7 +12,8 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_async import cli
-from megatron_async.config import load_config, sync_bucket_bytes
+from megatron_async.config import load_config
+from megatron_async.transports import sync_bucket_bytes
 from megatron_async.learner.model import build_model, unwrap_model
 from megatron_async.weights.update import group_by_cap
 from megatron_async.weights.plan import PHASE_CALLS, Links, SyncPlan, packed_buffers, plan_sync, stage_tensors
@@ -151,7 +152,7 @@ def test_packed_buffers_counts_what_vllms_pack_tensors_fills():
 
 def test_the_default_bucket_is_resolved_per_transport(tmp_path):
     """rollout.sync_bucket_mb=auto (the default): 1024 MiB over nccl / gloo, 64 over shm, as a run
-    resolves it (config.sync_bucket_bytes)."""
+    resolves it (transports.sync_bucket_bytes)."""
     hf = tiny_dir(tmp_path / "m")
     for transport in ("nccl", "gloo", "shm"):
         got = plan(*ONE_NODE, f"model.hf_path={hf}", f"rollout.weight_transport={transport}")

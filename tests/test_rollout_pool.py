@@ -292,6 +292,7 @@ def test_replica_startup_bound_is_a_config_key(tmp_path):
     server with (here a replica_urls server that never answers, given 1 s)."""
     from megatron_async.config import ConfigError, load_config
     from megatron_async.rollout.build import start_pool
+    from megatron_async.run_plan import build_plan
 
     assert load_config(None, []).rollout.startup_timeout_s == 300.0
     with pytest.raises(ConfigError, match=r"key 'rollout.startup_timeout_s' = 0.0: must be > 0"):
@@ -300,7 +301,7 @@ def test_replica_startup_bound_is_a_config_key(tmp_path):
         cfg = load_config(None, [f"rollout.replica_urls=[{url}]", "rollout.token=k", "rollout.startup_timeout_s=1"])
         t0 = time.monotonic()
         with pytest.raises(PoolError, match=rf"replica 0 at {url} not answering after 1 s"):
-            start_pool(cfg, tmp_path)
+            start_pool(cfg, build_plan(cfg), tmp_path)
         assert time.monotonic() - t0 < 10
 
 

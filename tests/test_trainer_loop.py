@@ -25,6 +25,7 @@ from megatron_async.run.rank0 import Rank0
 from megatron_async.run.report import StepReport
 from megatron_async.run.rollout_state import RolloutState
 from megatron_async.run.trainer import Trainer
+from megatron_async.run_plan import build_plan
 from megatron_async.weights.update import PushResult, WeightUpdate
 from tests.batches import scored_batch
 
@@ -259,5 +260,6 @@ def test_build_closes_what_it_built_when_a_later_part_fails(tmp_path, one_rank_g
 
     monkeypatch.setattr(trainer_mod, "build_weight_update", no_sender)
     with pytest.raises(ConnectionError, match="refused the weight-transfer key"):
-        Trainer.build(config(tmp_path, "sft.steps=0"))
+        cfg = config(tmp_path, "sft.steps=0")
+        Trainer.build(cfg, build_plan(cfg))
     assert closed == ["rollout", "tracker"]  # the reverse of the order they were built in

@@ -37,6 +37,7 @@ from megatron_async.learner.parallel import init_parallel
 from megatron_async.models.base_model import load_tokenizer
 from megatron_async.run.checkpoint import RunCheckpoints, latest_checkpoint
 from megatron_async.run.learner_state import LearnerState
+from megatron_async.run_plan import build_plan
 
 
 def run_mode(cfg, learner: LearnerState, ctrl, batches: list, asynchronous: bool) -> dict:
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(model_dir)
         for mode in ("sync", "async"):
             cfg = load_config(CONFIGS[model], [*overrides, f"run.out_dir={out_dir}", f"run.name={model}_{mode}"])
-            learner = LearnerState.build(cfg, model_dir, layout, tokenizer.pad_token_id)
+            learner = LearnerState.build(cfg, build_plan(cfg), model_dir, layout, tokenizer.pad_token_id)
             batches = [synthetic_batch(len(tokenizer), cfg.rollout.prompts_per_step, cfg.rollout.k,
                                        PROMPT_TOKENS[model], cfg.rollout.max_new_tokens, seed) for seed in range(args.steps)]
             case = {"model": model, "mode": mode, **run_mode(cfg, learner, ctrl, batches, asynchronous=mode == "async")}

@@ -54,6 +54,7 @@ from megatron_async.models.base_model import load_tokenizer, prepare_base_model
 from megatron_async.models.smollm2 import export_smollm2
 from megatron_async.rollout.producer import RolloutBatch
 from megatron_async.run.learner_state import LearnerState
+from megatron_async.run_plan import build_plan
 from megatron_async.sample import Sample
 
 REPO = Path(__file__).resolve().parents[2]
@@ -171,11 +172,11 @@ def run_case(model: str, model_dir: Path, overrides: list[str], steps: int, prof
     cfg = load_config(CONFIGS[model], overrides)
     tokenizer = load_tokenizer(model_dir)
     layout = _LAYOUT["layout"]
-    ours = LearnerState.build(cfg, model_dir, layout, tokenizer.pad_token_id)
+    ours = LearnerState.build(cfg, build_plan(cfg), model_dir, layout, tokenizer.pad_token_id)
     variants = {"ours": ours}
     if micro_batch_tokens:
         budget_cfg = load_config(CONFIGS[model], [*overrides, f"trainer.micro_batch_tokens={micro_batch_tokens}"])
-        variants["budget"] = LearnerState.build(budget_cfg, model_dir, layout, tokenizer.pad_token_id)
+        variants["budget"] = LearnerState.build(budget_cfg, build_plan(budget_cfg), model_dir, layout, tokenizer.pad_token_id)
     torch.manual_seed(seed)
     plain = PlainLearner(cfg, model_dir, tokenizer.pad_token_id)
     vocab = len(tokenizer)

@@ -56,7 +56,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megatron_async.cluster.cpu_affinity import pin_learner, replica_pin_env
-from megatron_async.config import BROADCAST_TRANSPORTS, sync_bucket_bytes, weight_engine
+from megatron_async.transports import BROADCAST_TRANSPORTS, sync_bucket_bytes, weight_engine
 from megatron_async.io_utils import atomic_write_text
 from megatron_async.models.tiny import build_tiny_llama, build_tokenizer, default_corpus
 from megatron_async.rollout import ReplicaPool, ReplicaSpec, Sampling

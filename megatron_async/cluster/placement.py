@@ -39,7 +39,8 @@ from urllib.parse import urlparse
 import torch
 
 from megatron_async.cluster.cpu_affinity import CpuPlan, plan_cpus
-from megatron_async.config import LOOPBACK_HOSTS, Config, ConfigError
+from megatron_async.config import Config, ConfigError
+from megatron_async.transports import LOOPBACK_HOSTS
 
 
 @dataclass(frozen=True)
@@ -49,51 +50,9 @@ class NodeLayout:
 
 
 def _ids(cfg: Config, key: str) -> list[int] | None:
-    """The id list of placement.<key>, or None for "auto"; checks ints >= 0 without duplicates."""
+    """The id list of placement.<key>, or None for "auto" (checked on load: config.validate)."""
     value = getattr(cfg.placement, key)
-    if value == "auto":
-        return None
-    full = f"placement.{key}"
-    if isinstance(value, str):
-        raise ConfigError(f"key '{full}' = {value!r}: expected a list of CUDA device ids or \"auto\"")
-    if not value or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
-        raise ConfigError(f"key '{full}' = {value!r}: expected a non-empty list of CUDA device ids (ints >= 0)")
-    if len(set(value)) != len(value):
-        raise ConfigError(f"key '{full}' = {value!r}: a device id is listed twice")
-    return list(value)
-
-
-def check_static(cfg: Config) -> None:
-    """Checks that need no GPU count: node numbers, id lists, explicit overlap (run.preflight, `placement`)."""
-    p, r = cfg.placement, cfg.rollout
-    if p.nnodes < 1:
-        raise ConfigError(f"key 'placement.nnodes' = {p.nnodes}: must be >= 1")
-    if not 0 <= p.replica_node < p.nnodes:
-        raise ConfigError(f"key 'placement.replica_node' = {p.replica_node}: must be a node rank in [0, {p.nnodes})")
-    if p.replica_node != 0 and not p.dedicated_replica_node:
-        raise ConfigError(
-            f"key 'placement.replica_node' = {p.replica_node}: must be 0 unless placement.dedicated_replica_node "
-            "is true. Replicas on a learner node are subprocesses of global learner rank 0, which a static torchrun "
-            "rendezvous puts on node 0; a node that only hosts replicas runs `megatron-async serve-replica`")
-    if p.dedicated_replica_node:
-        if p.nnodes < 2:
-            raise ConfigError(f"key 'placement.dedicated_replica_node' = True: needs placement.nnodes >= 2 "
-                              f"(the replica node runs no learner ranks), got {p.nnodes}")
-        if not r.token:
-            raise ConfigError("key 'rollout.token' = '': a dedicated replica node needs the shared secret: learner rank "
-                              "0 and `serve-replica` authenticate with it (set it or $MEGATRON_ASYNC_ROLLOUT_TOKEN)")
-    if p.gpus_per_node < 0:
-        raise ConfigError(f"key 'placement.gpus_per_node' = {p.gpus_per_node}: must be >= 0 (0 = detect)")
-    learner, replica = _ids(cfg, "learner_gpus"), _ids(cfg, "replica_gpus")
-    need = r.num_replicas * r.replica_tp
-    if replica is not None and len(replica) < need:
-        raise ConfigError(
-            f"key 'placement.replica_gpus' = {replica}: {len(replica)} GPUs cannot hold rollout.num_replicas x "
-            f"rollout.replica_tp = {r.num_replicas} x {r.replica_tp} = {need}")
-    if learner is not None and replica is not None and set(learner) & set(replica) and not p.dedicated_replica_node:
-        raise ConfigError(
-            f"key 'placement.learner_gpus' = {learner}: overlaps placement.replica_gpus = {replica} "
-            f"(GPUs {sorted(set(learner) & set(replica))}); the replica node needs them apart")
+    return None if value == "auto" else list(value)
 
 
 def node_layout(cfg: Config, node_rank: int, gpus_on_node: int) -> NodeLayout:

@@ -3,7 +3,7 @@
 Supported: `model_type` llama (incl. SmolLM2, LLaMA-3.x with `llama3` rope scaling), mistral
 without sliding window, and qwen2 (bias on q/k/v). RMSNorm, SwiGLU, RoPE (rotate-half form),
 GQA, tied or untied embeddings. Layer spec: Transformer Engine when TE and CUDA are present,
-else megatron's local spec. Dtype: the caller's (a run's is `config.model_dtype`: fp32 on CPU unless
+else megatron's local spec. Dtype: the caller's (a run's is `run_plan.model_dtype`: fp32 on CPU unless
 AMX or `model.dtype: bfloat16`); None = bf16 on GPU, fp32 on CPU. Params are built on the CPU there.
 
 The architecture is read once into `LlamaArch`, which `learner.mapping` also uses to check an HF

@@ -2,7 +2,7 @@
 
 The model's dtype picks megatron's optimizer (`get_megatron_optimizer`, from the parameters' dtype):
 - fp32 params: `FP32Optimizer`, fp32 grads and Adam state (the CPU default);
-- bf16 params (GPU; CPU with `model.dtype: bfloat16`, or auto on AMX: config.model_dtype): the
+- bf16 params (GPU; CPU with `model.dtype: bfloat16`, or auto on AMX: run_plan.model_dtype): the
   mixed-precision `Float16OptimizerWithFloat16Params` (the `DistributedOptimizer` on GPU): fp32
   main weights that Adam steps and copies back to the bf16 params, fp32 Adam state, grads
   reduced in fp32 (`grad_reduce_in_fp32`), no loss scaling (bf16). On CPU megatron-core refuses

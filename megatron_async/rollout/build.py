@@ -10,21 +10,22 @@ import torch
 
 from megatron_async.cluster.cpu_affinity import replica_pin_env
 from megatron_async.cluster.placement import replica_devices
-from megatron_async.config import Config, replica_dtype, weight_engine, weight_transport
+from megatron_async.config import Config
 from megatron_async.models.base_model import prepare_base_model
 from megatron_async.rollout.launcher import replica_environment
 from megatron_async.rollout.pool import ReplicaPool
 from megatron_async.rollout.replica import ReplicaSpec, server_command, server_env
+from megatron_async.run_plan import RunPlan, build_plan, load_plan
 
 
-def replica_spec(cfg: Config, model: Path) -> ReplicaSpec:
-    """How every replica of this run starts its vLLM server."""
+def replica_spec(cfg: Config, plan: RunPlan, model: Path) -> ReplicaSpec:
+    """How every replica of this run starts its vLLM server (dtype and engine: the run plan's)."""
     r = cfg.rollout
-    return ReplicaSpec(model=str(model), dtype=replica_dtype(cfg.model)[0], tensor_parallel_size=r.replica_tp,
+    return ReplicaSpec(model=str(model), dtype=plan.model_dtype, tensor_parallel_size=r.replica_tp,
                        max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens,
                        kv_cache_bytes=int(r.kv_cache_gib * (1 << 30)), seed=cfg.run.seed,
                        prefix_caching=r.weight_update == "between_batches",
-                       weight_backend=weight_engine(weight_transport(cfg)[0]))
+                       weight_backend=plan.weight_engine)
 
 
 def replica_urls(cfg: Config) -> list[str]:
@@ -38,17 +39,17 @@ def replica_urls(cfg: Config) -> list[str]:
     return []
 
 
-def start_pool(cfg: Config, model: Path) -> ReplicaPool:
+def start_pool(cfg: Config, plan: RunPlan, model: Path) -> ReplicaPool:
     """The run's replicas serving `model`: servers started here (one process group each), or the
     URLs of servers started elsewhere."""
     r = cfg.rollout
     common: dict[str, Any] = dict(key=r.token or None, start_timeout_s=r.startup_timeout_s,
                                   request_timeout_s=r.generate_timeout_s, max_failures=r.max_replica_failures)
     if urls := replica_urls(cfg):
-        return ReplicaPool(replica_spec(cfg, Path(model)), urls=urls, **common).start()
-    return ReplicaPool(replica_spec(cfg, Path(model).resolve()), r.num_replicas, host=r.host, base_port=r.base_port,
+        return ReplicaPool(replica_spec(cfg, plan, Path(model)), urls=urls, **common).start()
+    return ReplicaPool(replica_spec(cfg, plan, Path(model).resolve()), r.num_replicas, host=r.host, base_port=r.base_port,
                        log_dir=cfg.run_dir / "replicas", devices=replica_devices(cfg),  # None on CPU
-                       env=replica_pin_env(str(r.replica_cpus)), **common).start()
+                       env=replica_pin_env(plan.replica_cpus), **common).start()
 
 
 def serve_replica(cfg: Config, index: int) -> int:
@@ -64,7 +65,12 @@ def serve_replica(cfg: Config, index: int) -> int:
     if problems:
         print("megatron-async serve-replica: " + "; ".join(problems), file=sys.stderr)
         return 2
-    spec = replica_spec(cfg, Path(prepare_base_model(cfg)).resolve())
+    plan = load_plan(cfg.run_dir)  # the learner's, where the run folder is shared and it has started
+    if plan is None:
+        plan = build_plan(cfg)
+        print(f"megatron-async serve-replica: no {cfg.run_dir}/plan.json (yet); planned here: {plan.describe()}",
+              file=sys.stderr)
+    spec = replica_spec(cfg, plan, Path(prepare_base_model(cfg)).resolve())
     gpu = torch.cuda.is_available()
     env = {**replica_environment(os.environ), **server_env(spec, r.token, gpu)}  # the learner's NCCL_*, not its own (launcher.py)
     if devices := replica_devices(cfg):

@@ -62,7 +62,7 @@ from typing import Literal, Sequence
 import httpx
 import torch
 
-from megatron_async.config import LOOPBACK_HOSTS
+from megatron_async.transports import LOOPBACK_HOSTS
 from megatron_async.rollout.launcher import LocalLauncher, PoolError, free_port
 from megatron_async.rollout.replica import (GENERATE_ROUTE, ReplicaClient, ReplicaError, ReplicaSpec, Sampling, auth_headers,
                                             parse_version)

@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from megatron_async.config import HOST_MEMORY_ENGINE
+from megatron_async.transports import HOST_MEMORY_ENGINE
 
 AUTH_MIDDLEWARE = "megatron_async.rollout.auth.RequireKey"
 GENERATE_ROUTE = "/inference/v1/generate"  # token ids in, completions with token ids and version spans out

@@ -23,6 +23,7 @@ from megatron_async.rollout.build import replica_spec
 from megatron_async.rollout.pool import ReplicaPool
 from megatron_async.run.evaluate import greedy_eval
 from megatron_async.run.preflight import preflight_eval
+from megatron_async.run_plan import build_plan
 
 
 def main(cfg, checkpoint: str | None = None, data: str | None = None, output: str | None = None) -> int:
@@ -41,7 +42,7 @@ def main(cfg, checkpoint: str | None = None, data: str | None = None, output: st
     r = cfg.rollout
     scorer = make_scorer(cfg.reward)
     try:
-        with ReplicaPool(replica_spec(cfg, model), r.num_replicas, host=r.host, key=r.token or None) as pool:
+        with ReplicaPool(replica_spec(cfg, build_plan(cfg), model), r.num_replicas, host=r.host, key=r.token or None) as pool:
             result = greedy_eval(pool, tokenizer, prompts, scorer, cfg.reward.kind, r.max_new_tokens, r.stop,
                                  cfg.reward.on_error, progress=True, desc=f"eval {model.name}")
     finally:

@@ -24,7 +24,7 @@ from contextlib import closing
 import torch
 
 from megatron_async.cluster.cpu_affinity import pin_learner
-from megatron_async.cluster.placement import check_runtime, cpu_plan, nproc_per_node
+from megatron_async.cluster.placement import check_runtime, nproc_per_node
 from megatron_async.config import Config, ConfigError
 from megatron_async.learner.parallel import destroy_parallel
 from megatron_async.observability.logs import attach_log_file
@@ -34,6 +34,7 @@ from megatron_async.run.run_lock import RunLock
 from megatron_async.run.stop import Stopped, StopSignals, exit_status, resume_command, run_forwarding_signals, stop_at_once
 from megatron_async.run.torchrun import torchrun_args
 from megatron_async.run.trainer import Trainer
+from megatron_async.run_plan import build_plan
 from megatron_async.weights.host_memory import sweep_dead_segments, unlink_live_segments
 
 CHECKED_ENV = "MEGATRON_ASYNC_PREFLIGHT_DONE"  # set for the ranks this launcher relaunches
@@ -74,10 +75,9 @@ def _launch(cfg: Config, config_path: str, overrides: list[str], ranks: int, rel
 
     log_path = attach_log_file(cfg.run_dir / "train.log")  # library warnings, megatron's config dumps: file only
     log.info("run %s in %s (full log: %s); building the learner and replicas...", cfg.run.name, cfg.run_dir, log_path)
-    cpus = cpu_plan(cfg)  # "auto" CPU keys resolved once: the saved config and the replica pool see the lists used
-    cfg.parallel.learner_cpus, cfg.rollout.replica_cpus = cpus.learner, cpus.replica
-    logging.getLogger(__name__).info("%s", cpus.describe())
-    pin_learner(cpus.learner)  # before any torch thread pool exists; replicas re-pin
+    plan = build_plan(cfg)  # every `auto` and machine fact, once (run_plan.py); Trainer.build shares rank 0's
+    log.info("%s", plan.describe())
+    pin_learner(plan.learner_cpus)  # before any torch thread pool exists; replicas re-pin
     files, freed = sweep_dead_segments()
     if files:
         log.info("removed %d weight-sync segment(s) of runs that died (%.0f MiB of /dev/shm)", files, freed / 2**20)
@@ -89,7 +89,7 @@ def _launch(cfg: Config, config_path: str, overrides: list[str], ranks: int, rel
     stop = StopSignals(cfg.run.stop_deadline_s, at_once=at_once).install()
     try:
         try:
-            with closing(Trainer.build(cfg, stop)) as trainer:
+            with closing(Trainer.build(cfg, plan, stop)) as trainer:
                 ended: Stopped | KeyboardInterrupt | CheckpointSaveError | None = trainer.train()
         finally:
             destroy_parallel()

@@ -1,6 +1,6 @@
 """The learner on every rank: its models and optimizers, and one learner step on a scored batch.
 
-    learner = LearnerState.build(cfg, init_model, layout, pad_id)   # policy, reference, optimizer, ...
+    learner = LearnerState.build(cfg, plan, init_model, layout, pad_id)   # policy, reference, optimizer, ...
     metrics = learner.step(batch, step)     # the algorithm's N minibatches x T passes; version -> step + 1
 
 The algorithm (`algorithms/`) decides which samples are trained on, what each batch needs (the
@@ -20,7 +20,7 @@ import torch
 
 from megatron_async.algorithms import Algorithm, build_algorithm, dp_shard, split_units
 from megatron_async.algorithms.base import Microbatch, attach
-from megatron_async.config import Config, ConfigError, model_dtype
+from megatron_async.config import Config, ConfigError
 from megatron_async.learner.schedule import (LossFn, compute_logprobs, compute_values, microbatch_seq_multiple, recording,
                                              share_with_pipeline)
 from megatron_async.learner.mapping import load_hf_weights
@@ -31,6 +31,7 @@ from megatron_async.learner.perf import PerfSettings
 from megatron_async.learner.value import build_value_model
 from megatron_async.rollout.producer import RolloutBatch
 from megatron_async.run import faults
+from megatron_async.run_plan import RunPlan
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -66,7 +67,7 @@ class LearnerState:
     version: int = 0  # policy version of the weights = learner steps done
 
     @classmethod
-    def build(cls, cfg: Config, init_model: Path, layout: ParallelLayout, pad_id: int) -> "LearnerState":
+    def build(cls, cfg: Config, plan: RunPlan, init_model: Path, layout: ParallelLayout, pad_id: int) -> "LearnerState":
         """This rank's learner from the HF checkpoint RL starts from (the SFT model, if any)."""
         t = cfg.trainer
         algorithm = build_algorithm(cfg)
@@ -81,10 +82,9 @@ class LearnerState:
         vocab_pad = cfg.model.make_vocab_size_divisible_by  # learner/model.py: vocabulary padding
         chunk_bytes = t.logits_chunk_mb << 20  # learner/lm_head.py: 0 = each microbatch's logits at once
         shapes_vary = t.micro_batch_tokens > 0  # a token budget's microbatches differ in shape (learner/model.py)
-        dtype_name, why = model_dtype(cfg.model)  # bf16: fp32 main weights in the optimizer (learner/optimizer.py)
         if layout.rank == 0:
-            log.info("learner: %s (%s)", dtype_name, why)
-        dtype = getattr(torch, dtype_name)
+            log.info("learner: %s (%s)", plan.model_dtype, plan.model_dtype_why)
+        dtype = plan.torch_dtype  # bf16: fp32 main weights in the optimizer (learner/optimizer.py)
         policy = build_model(init_model, dtype=dtype, perf=perf, make_vocab_size_divisible_by=vocab_pad,
                              logits_chunk_bytes=chunk_bytes, shapes_vary=shapes_vary)
         load_hf_weights(policy, init_model)

@@ -33,7 +33,7 @@ from megatron_async.algorithms import ALGORITHMS
 from megatron_async.cluster import placement
 from megatron_async.cluster.cpu_affinity import (CPUS_AUTO, NATIVE_BF16_FLAGS, available_cpus, cpu_flags,
                                                   format_cpu_list, parse_cpu_list)
-from megatron_async.config import Config, ConfigError, replica_dtype
+from megatron_async.config import Config, ConfigError
 from megatron_async.data import DataError, Problem, format_prompt, load_file, load_hf_dataset, tokenize_prompts
 from megatron_async.learner.checkpoint import read_manifest
 from megatron_async.learner.mapping import validate_hf_checkpoint
@@ -43,6 +43,7 @@ from megatron_async.rollout.build import replica_urls
 from megatron_async.run.checkpoint import (checkpoint_problem, checkpoint_root, checkpoint_step,
                                            newest_intact_checkpoint, resume_checkpoint, run_checkpoints)
 from megatron_async.run.run_lock import check_not_in_use
+from megatron_async.run_plan import cuda_here, model_dtype
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,6 @@ def _preflight(cfg: Config, world_size: int | None) -> None:
     if world:
         _require(world % (par.tp * par.pp) == 0, "parallel.world_size", world,
                  f"must be a multiple of tp x pp = {par.tp} x {par.pp} = {par.tp * par.pp}")
-    placement.check_static(cfg)
     if cfg.placement.gpus_per_node:  # known before launch: the whole GPU layout must fit
         placement.check_fit(cfg, cfg.placement.gpus_per_node, world or None)
     _check_resume(cfg, arch)
@@ -592,7 +592,7 @@ def _warn_on_emulated_bf16(cfg: Config) -> None:
     """bf16 replicas on a CPU without native bf16 run, but slowly: a warning, not a refusal.
     (Measured 2026-12-01, SmolLM2-135M in vLLM on one AVX2 core with 63-64 requests running: bf16
     ~35 tokens/s, fp32 ~180; docs/real-models.md.)"""
-    if replica_dtype(cfg.model)[0] != "bfloat16" or cfg.rollout.replica_urls or torch.cuda.device_count() > 0:
+    if model_dtype(cfg.model)[0] != "bfloat16" or cfg.rollout.replica_urls or cuda_here():
         return
     flags = cpu_flags()
     if flags and not flags & NATIVE_BF16_FLAGS:

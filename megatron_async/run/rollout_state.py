@@ -2,7 +2,7 @@
 held-out evaluation, and the two controllers that tune generation between steps (rollout.max_lag:
 auto, `run/adaptive_lag.py`; trainer.auto_balance, `run/auto_balance.py`).
 
-    rollout = RolloutState.build(cfg, tokenizer, init_model)    # loads prompts, starts scorer + replicas
+    rollout = RolloutState.build(cfg, plan, tokenizer, init_model)    # loads prompts, starts scorer + replicas
     rollout.load_state_dict(state)         # on resume, before the producer starts
     rollout.start_producer(first_batch)
     batch = rollout.make_batch(index)      # (producer thread) take prompts, generate, score
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from megatron_async.config import Config, replica_dtype
+from megatron_async.config import Config
 from megatron_async.data import PromptIterator, TokenizedPrompt, load_prompts, load_train_prompts
 from megatron_async.io_utils import atomic_write_text
 from megatron_async.observability.tracking import Tracker
@@ -37,6 +37,7 @@ from megatron_async.run import faults
 from megatron_async.run.adaptive_lag import AdaptiveLag
 from megatron_async.run.auto_balance import AutoBalance
 from megatron_async.run.evaluate import greedy_eval
+from megatron_async.run_plan import RunPlan
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class RolloutState:
         return self.producer
 
     @classmethod
-    def build(cls, cfg: Config, tokenizer, init_model: Path) -> "RolloutState":
+    def build(cls, cfg: Config, plan: RunPlan, tokenizer, init_model: Path) -> "RolloutState":
         d = cfg.data
         train, dropped = load_train_prompts(cfg, tokenizer)
         eval_prompts, _ = load_prompts(cfg, tokenizer, d.eval, "test", d.eval_size)
@@ -75,11 +76,11 @@ class RolloutState:
         prompts = PromptIterator(train, seed=cfg.run.seed)
         scorer = make_scorer(cfg.reward)  # a reward model's worker process starts here
         try:
-            pool = start_pool(cfg, init_model)  # stops the replicas it started if one fails to come up
+            pool = start_pool(cfg, plan, init_model)  # stops the replicas it started if one fails to come up
         except BaseException:
             scorer.close()
             raise
-        log.info("replicas: %s (pids %s), %s (%s)", ", ".join(pool.urls), pool.pids(), *replica_dtype(cfg.model))
+        log.info("replicas: %s (pids %s), %s (%s)", ", ".join(pool.urls), pool.pids(), plan.model_dtype, plan.model_dtype_why)
         adaptive_lag, balance = build_controllers(cfg)
         return cls(cfg, tokenizer, prompts, eval_prompts, scorer, pool, data_state=prompts.state_dict(),
                    adaptive_lag=adaptive_lag, balance=balance)

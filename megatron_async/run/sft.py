@@ -12,11 +12,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from megatron_async.algorithms.best_of_k_sft import BestOfKSFT
-from megatron_async.config import Config, model_dtype
+from megatron_async.config import Config
 from megatron_async.data import PromptIterator, load_train_prompts
 from megatron_async.learner.hf_export import export_hf
 from megatron_async.learner.mapping import load_hf_weights
@@ -26,6 +25,7 @@ from megatron_async.learner.parallel import ParallelLayout
 from megatron_async.learner.perf import PerfSettings
 from megatron_async.learner.schedule import microbatch_seq_multiple
 from megatron_async.observability.tracking import Tracker
+from megatron_async.run_plan import RunPlan
 from megatron_async.sample import Sample
 
 log = logging.getLogger(__name__)
@@ -44,14 +44,14 @@ def sft_rows(prompts, tokenizer) -> list[Sample]:
     return rows
 
 
-def run_sft(cfg: Config, base: Path, tokenizer, layout: ParallelLayout, tracker: Tracker) -> Path:
+def run_sft(cfg: Config, plan: RunPlan, base: Path, tokenizer, layout: ParallelLayout, tracker: Tracker) -> Path:
     """`sft.steps` steps on the train split's reference solutions from `base`; -> the SFT model's HF dir."""
     out = cfg.run_dir / "sft_model"
     if (out / "config.json").exists():
         log.info("SFT model found at %s: reusing it", out)
         return out
     s = cfg.sft
-    model = build_model(base, dtype=getattr(torch, model_dtype(cfg.model)[0]),  # the RL learner's (learner_state.py)
+    model = build_model(base, dtype=plan.torch_dtype,  # the RL learner's (learner_state.py)
                         perf=PerfSettings.from_config(cfg.parallel),
                         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
     load_hf_weights(model, base)

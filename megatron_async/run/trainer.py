@@ -39,7 +39,8 @@ import torch.distributed as dist
 
 from megatron_async.cluster.cpu_affinity import unpinned_before_replicas
 from megatron_async.cluster.placement import check_reachable, learner_device_index
-from megatron_async.config import Config, flatten, save_config
+from megatron_async.config import Config
+from megatron_async.config_io import flatten, save_config
 from megatron_async.learner.hf_export import export_hf
 from megatron_async.learner.mapping import iter_hf_weights
 from megatron_async.learner.parallel import from_rank0, init_parallel
@@ -57,6 +58,7 @@ from megatron_async.run.rollout_state import RolloutState
 from megatron_async.run.sft import run_sft
 from megatron_async.run.bad_steps import BadStepGuard
 from megatron_async.run.stop import Stopped, StopSignals
+from megatron_async.run_plan import RunPlan, save_plan
 from megatron_async.weights.build import build_weight_update
 from megatron_async.weights.update import PushResult, WeightSyncError, WeightUpdate
 
@@ -81,15 +83,18 @@ class Trainer:
 
     # -- building ---------------------------------------------------------------------------------
     @classmethod
-    def build(cls, cfg: Config, stop: StopSignals | None = None) -> "Trainer":
-        """Every rank. What was started before a later part fails (the tracker's run, the replicas,
-        the reward model's worker, the weight senders) is closed again before the error propagates."""
+    def build(cls, cfg: Config, plan: RunPlan, stop: StopSignals | None = None) -> "Trainer":
+        """Every rank, each with the plan it built at launch; every rank goes on with rank 0's.
+        What was started before a later part fails (the tracker's run, the replicas, the reward
+        model's worker, the weight senders) is closed again before the error propagates."""
         layout = init_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.run.seed, device_index=learner_device_index(cfg))
         ctrl = dist.new_group(backend="gloo")
+        plan = from_rank0(plan, ctrl)  # senders and replicas on other machines choose as rank 0 did
         with ExitStack() as built:
             if layout.rank == 0:  # builds the tiny base model if the config asks for one; the others wait for it
                 cfg.run_dir.mkdir(parents=True, exist_ok=True)
                 save_config(cfg, cfg.run_dir / "config.yaml")
+                save_plan(plan, cfg.run_dir)
                 prepare_base_model(cfg)
             dist.barrier(group=ctrl)
             base = prepare_base_model(cfg)  # exists now: returns the path
@@ -101,14 +106,14 @@ class Trainer:
             init_model = base
             if cfg.sft.steps > 0:
                 with unpinned_before_replicas():  # nothing else runs yet: SFT may use every core
-                    init_model = run_sft(cfg, base, tokenizer, layout, tracker)
-            learner = LearnerState.build(cfg, init_model, layout, tokenizer.pad_token_id)
-            rank0 = (Rank0(RolloutState.build(cfg, tokenizer, init_model), StepReport(cfg, tracker), tracker)
+                    init_model = run_sft(cfg, plan, base, tokenizer, layout, tracker)
+            learner = LearnerState.build(cfg, plan, init_model, layout, tokenizer.pad_token_id)
+            rank0 = (Rank0(RolloutState.build(cfg, plan, tokenizer, init_model), StepReport(cfg, tracker), tracker)
                      if layout.rank == 0 else NullRank0())
             built.callback(rank0.close)
             urls, key, replica_machine = from_rank0(rank0.replica_address(), ctrl)
             check_reachable(replica_machine, urls)  # loopback replicas seen from another machine
-            weights = build_weight_update(cfg, layout, ctrl, rank0.pool, urls, key)
+            weights = build_weight_update(cfg, plan, layout, ctrl, rank0.pool, urls, key)
             built.callback(weights.close)
             trainer = cls(cfg, ctrl, learner, rank0, tracker, init_model, weights, stop=stop)
             if cfg.run.resume:

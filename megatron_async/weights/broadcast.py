@@ -77,7 +77,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from megatron_async.config import LOOPBACK_HOSTS
+from megatron_async.transports import LOOPBACK_HOSTS
 from megatron_async.rollout.launcher import free_port
 from megatron_async.rollout.replica import ReplicaClient
 from megatron_async.weights import vllm_plugin

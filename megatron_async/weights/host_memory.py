@@ -86,31 +86,15 @@ import weakref
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence, get_args
-from urllib.parse import urlparse
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from megatron_async.config import BROADCAST_TRANSPORTS, LOOPBACK_HOSTS, WeightTransport
 from megatron_async.rollout.replica import ReplicaClient, ReplicaError
+from megatron_async.transports import carrier_for
 from megatron_async.weights.update import PushResult, group_by_cap
 
 log = logging.getLogger(__name__)
-
-
-def carrier_for(transport: str, url: str) -> str:
-    """The carrier used for one replica: `auto` is shm for a loopback address, else http."""
-    if transport not in get_args(WeightTransport):
-        raise ValueError(f"rollout.weight_transport={transport!r}: expected one of {', '.join(get_args(WeightTransport))}")
-    host = urlparse(url).hostname
-    if transport == "auto":
-        return "shm" if host in LOOPBACK_HOSTS else "http"
-    if transport == "shm" and host not in LOOPBACK_HOSTS:
-        raise ValueError(f"rollout.weight_transport=shm needs replicas on this host; replica at {url} is not "
-                         f"loopback (use auto or http)")
-    if transport in BROADCAST_TRANSPORTS:
-        raise ValueError(f"rollout.weight_transport={transport} is weights/broadcast.BroadcastSender's, not this sender's")
-    return transport
 
 
 class HostMemorySender:

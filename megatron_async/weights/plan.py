@@ -13,8 +13,9 @@ It runs the push's own code on shapes only: the learner's model built from model
 config.json on the meta device at TP = PP = 1 (learner/model.py, megatron's local spec: no weights
 read, no memory), megatron's own layer split into parallel.pp stages (`get_num_layers_to_build`,
 `get_transformer_layer_offset`), `iter_hf_weights` (the HF names and shapes a stage's sender
-yields, in its order), the cast to the replicas' dtype (config.replica_dtype), and the buffers at
-`config.sync_bucket_bytes(rollout.sync_bucket_mb, transport)` (auto: 1024 MiB over nccl / gloo,
+yields, in its order), the cast to the replicas' dtype (the run plan's for a GPU machine:
+`run_plan.build_plan(cfg, cuda=True)`), and the buffers at
+`transports.sync_bucket_bytes(rollout.sync_bucket_mb, transport)` (auto: 1024 MiB over nccl / gloo,
 64 over shm / http). The nodes are cluster/placement.py's: each stage's sender
 (`weight_senders`) and the replica node, checked as a run checks them.
 
@@ -53,12 +54,13 @@ from megatron.core import parallel_state  # megatron-core at the top: only plan-
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from megatron_async.cluster.placement import check_fit, check_static, weight_senders
-from megatron_async.config import (BROADCAST_TRANSPORTS, Config, ConfigError, load_config, replica_dtype,
-                                   sync_bucket_bytes, weight_transport)
+from megatron_async.cluster.placement import check_fit, weight_senders
+from megatron_async.config import Config, ConfigError, load_config
 from megatron_async.learner.mapping import EMBED, iter_hf_weights
 from megatron_async.learner.model import build_model, read_arch, read_hf_config, transformer_config
 from megatron_async.learner.perf import Backend, resolve
+from megatron_async.run_plan import build_plan
+from megatron_async.transports import TRANSPORTS
 from megatron_async.weights.host_memory import carrier_for
 from megatron_async.weights.update import group_by_cap
 
@@ -118,7 +120,7 @@ class SyncPlan:
     parameters: int
     dtype: str  # the replicas', which the tensors are sent in
     transport: str
-    bucket_mb: int  # rollout.sync_bucket_mb resolved for the transport (config.sync_bucket_bytes)
+    bucket_mb: int  # rollout.sync_bucket_mb resolved for the transport (transports.sync_bucket_bytes)
     learner: dict[str, int]  # tp, pp, dp, nodes (running learner ranks), job_nodes
     replicas: dict[str, int]  # count, tp, node
     links: Links
@@ -203,14 +205,13 @@ def plan_sync(cfg: Config, links: Links) -> SyncPlan:
     p, par, r = cfg.placement, cfg.parallel, cfg.rollout
     if not p.gpus_per_node:
         raise ConfigError("key 'placement.gpus_per_node' = 0: set it (the GPUs of each node of the layout to plan)")
-    check_static(cfg)
     layouts = check_fit(cfg, p.gpus_per_node, par.world_size or None)
     senders = weight_senders(cfg, layouts)
     dp = len([rank for lay in layouts for rank in lay.learner]) // (par.tp * par.pp)
-    transport = weight_transport(cfg, cuda=True)[0]
-    dtype = replica_dtype(cfg.model, cuda=True)[0]
+    run_plan = build_plan(cfg, cuda=True)
+    transport, dtype = run_plan.weight_transport, run_plan.model_dtype
     replicas = list(range(len(r.replica_urls) or r.num_replicas))
-    bucket_bytes = sync_bucket_bytes(r.sync_bucket_mb, transport)
+    bucket_bytes = run_plan.sync_bucket_bytes
     hf_config = _hf_config(cfg)
     stages = stage_tensors(hf_config, par.tp, par.pp)
     plan = SyncPlan(model=cfg.model.hf_path, parameters=sum(t.numel() for _, ts in stages for _, t in ts), dtype=dtype,
@@ -221,7 +222,7 @@ def plan_sync(cfg: Config, links: Links) -> SyncPlan:
     for stage, ((layers, tensors), (sender_rank, sender_node)) in enumerate(zip(stages, senders)):
         sent = [(name, t.to(getattr(torch, dtype))) for name, t in tensors]  # as weights/update.py casts them
         nbytes = sum(t.numel() * t.element_size() for _, t in sent)
-        if transport in BROADCAST_TRANSPORTS:  # the replicas all are on p.replica_node
+        if TRANSPORTS[transport].broadcast:  # the replicas all are on p.replica_node
             link = "nvlink" if sender_node == p.replica_node else "infiniband"
             groups = [Group(p.replica_node, replicas, 1 + len(replicas) * r.replica_tp, link)]
             calls = 1  # the stage's whole manifest

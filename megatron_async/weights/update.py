@@ -1,7 +1,7 @@
 """One weight update, end to end: `WeightUpdate.push`, called by every learner rank, and the
 interface of the senders it drives (`WeightSender`, `PushResult`).
 
-    weights = build_weight_update(cfg, layout, ctrl, pool, urls, key)   # once per run (weights/build.py)
+    weights = build_weight_update(cfg, plan, layout, ctrl, pool, urls, key)   # once per run (weights/build.py)
     result = weights.push(version, iter_hf_weights(model))              # each sync (or a re-sync of some replicas)
 
     weights = WeightUpdate.local(pool, sender)                           # one process: tests, tools, benchmarks
@@ -74,7 +74,7 @@ class WeightUpdate:
     pool: ReplicaPool | None = None  # rank 0 only
     sender: WeightSender | None = None  # the stage's sender rank only
     encoder: DeltaEncoder | None = None  # the stage's sender rank only: what the replicas hold
-    send_dtype: torch.dtype = torch.float32  # the replicas' (config.replica_dtype): tensors are sent in it
+    send_dtype: torch.dtype = torch.float32  # the replicas' (the run plan's model_dtype): tensors are sent in it
     schedule: DeltaSchedule | None = None  # delta sync (rollout.sync_full_every), on the stage's sender rank
     # >1: the pipeline stages stream in turn, stage s in turn s between barriers on `ctrl` (node
     # groups, weights/build.py says why); 1: all at once

@@ -3,7 +3,7 @@ of vLLM's internals that our weight sync needs, checked against the vLLM they we
 
 - `mas_cpu` (weights/engines.py): host-memory buckets (shm or inline), CPU and GPU replicas;
 - `mas_nccl`, `mas_gloo` (weights/engines.py): vLLM's NCCL engine, on NCCL or on gloo.
-  The engine names are config.py's (`weight_engine`: the replicas' engine for a transport).
+  The engine names are transports.py's (`weight_engine`: the replicas' engine for a transport).
 
 vLLM runs every plugin of the entry-point group `vllm.general_plugins` (declared in setup.py) in
 each of its processes before it builds an engine, so a replica's worker finds the backend by name
@@ -29,8 +29,10 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from megatron_async.transports import weight_engine
+
 VLLM_SERIES = (0, 32)  # the vLLM release series every internal below was read from (setup.py pins 0.32.0)
-# rollout.weight_transport -> the engine's class (its name: config.weight_engine; "auto": host memory)
+# rollout.weight_transport -> the engine's class (its name: transports.weight_engine; "auto": host memory)
 ENGINE_CLASSES = {"auto": ("megatron_async.weights.engines", "CpuWeightTransferEngine"),
                   "nccl": ("megatron_async.weights.engines", "MasNcclEngine"),
                   "gloo": ("megatron_async.weights.engines", "MasGlooEngine")}
@@ -64,8 +66,6 @@ def require_vllm() -> None:
 def register() -> None:
     require_vllm()
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    from megatron_async.config import weight_engine
 
     for transport, (module, cls) in ENGINE_CLASSES.items():
         name = weight_engine(transport)

@@ -37,6 +37,7 @@ from megatron_async.learner.parallel import init_parallel
 from megatron_async.models.base_model import load_tokenizer, tiny_spec
 from megatron_async.models.tiny import build_tiny_llama, build_tokenizer, default_corpus
 from megatron_async.run.learner_state import LearnerState
+from megatron_async.run_plan import build_plan
 
 ALGORITHMS = ("rloo", "online_dpo")
 STEPS = 4
@@ -131,7 +132,7 @@ def run(algorithm: str, run_dir: Path, model_dir: Path, vocab: int, pad_id: int,
         cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "cpu_tiny.yaml",
                           [f"run.out_dir={run_dir / algorithm / name}", f"trainer.algorithm={algorithm}",
                            f"model.dtype={dtype}", *SETTINGS])
-        learners[name] = LearnerState.build(cfg, model_dir, layout, pad_id)
+        learners[name] = LearnerState.build(cfg, build_plan(cfg), model_dir, layout, pad_id)
     round_to_bf16(learners["rounded"])
     start = main_weights(learners["fp32"])
     before = {name: main_weights(learner) for name, learner in learners.items()}

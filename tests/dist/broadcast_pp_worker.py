@@ -78,6 +78,7 @@ def main():
     from megatron_async.rollout import ReplicaPool
     from megatron_async.weights.broadcast import BroadcastSender
     from megatron_async.weights.build import build_weight_update
+    from megatron_async.run_plan import build_plan
     from megatron_async.weights.update import WeightSyncError
     from tests.dist._learner import tiny_learner
     from tests.rollout_fixtures import KillingWire, max_logprob_diff, spec, wait_for
@@ -93,7 +94,7 @@ def main():
                                request_timeout_s=120, start_timeout_s=300).start()
         urls, key = from_rank0((pool.urls, pool.key) if pool is not None else None, ctrl)
         ddp, opt, sched = tiny_learner(a.model, OptimSettings(lr=1e-2, clip_grad=1.0))
-        weights = build_weight_update(cfg, layout, ctrl, pool, urls, key)
+        weights = build_weight_update(cfg, build_plan(cfg), layout, ctrl, pool, urls, key)
         sender = weights.sender
         assert sender is None or isinstance(sender, BroadcastSender), sender  # rollout.weight_transport=gloo
         last_sender = layout.is_last_stage and sender is not None

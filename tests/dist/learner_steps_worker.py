@@ -23,6 +23,7 @@ from megatron_async.learner.parallel import init_parallel
 from megatron_async.models.base_model import load_tokenizer, tiny_spec
 from megatron_async.models.tiny import build_tiny_llama, build_tokenizer, default_corpus
 from megatron_async.run.learner_state import LearnerState
+from megatron_async.run_plan import build_plan
 
 KEYS = ("train/loss", "train/grad_norm", "kl/ref", "staleness/kl_k3_mean", "staleness/iw_max")
 
@@ -37,7 +38,7 @@ if __name__ == "__main__":
     build_tiny_llama(model_dir, build_tokenizer(default_corpus(), model_dir, vocab_size=1024), tiny_spec(cfg.model),
                      seed=cfg.run.seed)
     tokenizer = load_tokenizer(model_dir)
-    learner = LearnerState.build(cfg, model_dir, layout, tokenizer.pad_token_id)
+    learner = LearnerState.build(cfg, build_plan(cfg), model_dir, layout, tokenizer.pad_token_id)
     steps = []
     for step in range(3):
         batch = synthetic_batch(len(tokenizer), 16, 4, PROMPT_TOKENS["tiny"], cfg.rollout.max_new_tokens, seed=step)

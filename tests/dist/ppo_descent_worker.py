@@ -36,6 +36,7 @@ if __name__ == "__main__":
     from megatron_async.rollout.producer import RolloutBatch
     from megatron_async.run.checkpoint import load_run_checkpoint, save_run_checkpoint
     from megatron_async.run.learner_state import LearnerState
+    from megatron_async.run_plan import build_plan
     from megatron_async.sample import Sample
     from tests.batches import problems
 
@@ -58,7 +59,7 @@ if __name__ == "__main__":
                                       token_ids=torch.randint(3, 300, (n,), generator=g).tolist()))
 
         def new_learner():
-            return LearnerState.build(cfg, a.model_dir, layout, pad_id=0)
+            return LearnerState.build(cfg, build_plan(cfg), a.model_dir, layout, pad_id=0)
 
         learner = new_learner()
         mbs = learner.algorithm.microbatches(samples, pad_id=0, micro_batch_size=len(samples))

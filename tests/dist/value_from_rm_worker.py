@@ -24,12 +24,13 @@ if __name__ == "__main__":
     from megatron_async.learner.schedule import Tokens, compute_values
     from megatron_async.learner.parallel import destroy_parallel, init_parallel
     from megatron_async.run.learner_state import LearnerState
+    from megatron_async.run_plan import build_plan
 
     cfg = load_config(None, [f"model.hf_path={policy_dir}", "model.dtype=float32", "trainer.algorithm=ppo", "reward.kind=reward_model",
                              f"reward.model_path={rm_dir}"])
     layout = init_parallel(1, 1, seed=0)
     try:
-        learner = LearnerState.build(cfg, Path(policy_dir), layout, pad_id=0)
+        learner = LearnerState.build(cfg, build_plan(cfg), Path(policy_dir), layout, pad_id=0)
         rm = AutoModelForSequenceClassification.from_pretrained(rm_dir, use_safetensors=True, dtype=torch.float32).eval()
         # no pad token (id 0) among them: the RM scores the last token of each row
         ids = torch.randint(3, rm.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0))
