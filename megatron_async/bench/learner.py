@@ -168,8 +168,9 @@ def model_dir_for(name: str, out_dir: Path, smollm2_dir: str | None) -> tuple[Pa
 def run_case(model: str, model_dir: Path, overrides: list[str], steps: int, profile: bool, seed: int,
              micro_batch_tokens: int = 0) -> dict:
     """Ours against plain, step by step in turn; with `micro_batch_tokens`, also ours under that token
-    budget ("budget": its seconds and padding against ours by rows, in the same run)."""
-    cfg = load_config(CONFIGS[model], overrides)
+    budget ("budget": its seconds and padding against ours by rows, in the same run). Ours and plain
+    go by rows (the configs' own budgets off) unless `overrides` set one."""
+    cfg = load_config(CONFIGS[model], ["trainer.micro_batch_tokens=0", *overrides])
     tokenizer = load_tokenizer(model_dir)
     layout = _LAYOUT["layout"]
     ours = LearnerState.build(cfg, build_plan(cfg), model_dir, layout, tokenizer.pad_token_id)

@@ -32,7 +32,9 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "cpu_tiny.yaml",
                       [f"run.out_dir={run_dir}", f"trainer.algorithm={algorithm}", "rollout.prompts_per_step=16",
-                       "rollout.k=4", "trainer.micro_batch_size=8", "trainer.steps=3", *sys.argv[3:]])
+                       "rollout.k=4", "trainer.micro_batch_size=8", "trainer.steps=3",
+                       "trainer.micro_batch_tokens=0",  # recorded by rows; the budget test overrides it
+                       *sys.argv[3:]])
     layout = init_parallel(1, 1, seed=cfg.run.seed)
     model_dir = run_dir / "base_model"
     build_tiny_llama(model_dir, build_tokenizer(default_corpus(), model_dir, vocab_size=1024), tiny_spec(cfg.model),
