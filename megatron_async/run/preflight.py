@@ -230,10 +230,8 @@ def _check_finite_weights(model_dir: str, key: str, files: list[Path]) -> None:
     every reward ties and nothing is trained, and the run would end with exit 0. Each tensor is read
     and checked on its own (`safe_open`, memory-mapped: the peak is one tensor and its isfinite
     mask, not the model). Cost: the weights are read once more than by the learner's and replicas'
-    own loads, which then find them in the page cache. Measured 2026-12-02 for SmolLM2-135M (538 MB
-    fp32, `megatron-async export-smollm2`) on one core of the 2-core CPU machine: 1.7 s the first
-    time after the export, 0.55 s when repeated (the header and shape checks: under 0.1 s); the tiny
-    test models: milliseconds."""
+    own loads, which then find them in the page cache (seconds for a small model: docs/measurements.md,
+    "The preflight's finite-weights check: its cost")."""
     for path in files:
         with safe_open(str(path), framework="pt") as fh:
             for name in fh.keys():
@@ -589,9 +587,8 @@ def _check_cpu_lists(cfg: Config) -> None:
 
 
 def _warn_on_emulated_bf16(cfg: Config) -> None:
-    """bf16 replicas on a CPU without native bf16 run, but slowly: a warning, not a refusal.
-    (Measured 2026-12-01, SmolLM2-135M in vLLM on one AVX2 core with 63-64 requests running: bf16
-    ~35 tokens/s, fp32 ~180; docs/real-models.md.)"""
+    """bf16 replicas on a CPU without native bf16 run, but slowly (several times slower than fp32:
+    docs/real-models.md): a warning, not a refusal."""
     if model_dtype(cfg.model)[0] != "bfloat16" or cfg.rollout.replica_urls or cuda_here():
         return
     flags = cpu_flags()
