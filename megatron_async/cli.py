@@ -205,10 +205,10 @@ def _print_placement(cfg, node_rank: int) -> int:
 
 def _print_stop_plan(cfg) -> int:
     """Shell assignments (launch scripts `eval` them): the stop budget every launcher derives from
-    run.stop_deadline_s (config.stop_budget), and the checkpoint a requeued job resumes from
+    run.stop_deadline_s (run/torchrun.py's stop_budget), and the checkpoint a requeued job resumes from
     (empty: none saved yet, so it starts fresh)."""
-    from megatron_async.config import stop_budget
     from megatron_async.run.checkpoint import latest_checkpoint
+    from megatron_async.run.torchrun import stop_budget
 
     budget = stop_budget(cfg.run)
     print(f"STOP_DEADLINE_S={budget.deadline_s}")

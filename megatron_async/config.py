@@ -3,18 +3,17 @@
     cfg = load_config("configs/cpu_tiny.yaml", ["trainer.lr=1e-6", "rollout.max_lag=0"])
     megatron-async config --explain trainer.lr       # every key's type, default and help
 
-Every key is a field of a dataclass below, declared with `opt(default, help)`. Loading checks the
-config on its own, once: unknown keys, keys given twice in a file and wrong types (config_io.py,
-which reads the files), values out of range and settings that cannot work together (TP must divide the tiny model's heads and query
-groups, lag >= 0, K as the algorithm needs, ...). What needs the world (files, model
-architectures, data, CPUs, GPUs) is checked by `run.preflight` before anything starts. Each
-failure is one `ConfigError` naming the key, the value and where it came from (file or command
-line). What `auto` means on a machine is the run plan's (run_plan.py), not this module's.
+Every key is a field of a dataclass below, declared with `opt(default, help)`; a help says what
+the key is, docs/configuration.md and the page it points to say more. Loading checks the config
+on its own, once: unknown keys, keys given twice and wrong types (config_io.py, which reads the
+files), values out of range and settings that cannot work together (TP must divide the tiny
+model's heads, lag >= 0, K as the algorithm needs, ...). What needs the world (files, models,
+data, CPUs, GPUs) is checked by `run.preflight`. Each failure is one `ConfigError` naming the
+key, the value and where it came from. What `auto` means on a machine is the run plan's.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -42,26 +41,6 @@ def opt(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable
     return field(default=default, metadata={"help": help})
 
 
-TORCHRUN_GRACE_S = 60  # torchrun's wait beyond run.stop_deadline_s: the ranks' exit after their save or stop at once
-
-
-@dataclass(frozen=True)
-class StopBudget:
-    """run.stop_deadline_s and what the launchers derive from it, in whole seconds (`stop_budget`)."""
-    deadline_s: int  # signal -> checkpoint saved and exit 75, or stop at once (run/stop.py)
-    shutdown_timeout_s: int  # torchrun's --shutdown-timeout: how long it waits for its ranks before SIGKILL
-    warning_lead_s: int  # the SLURM scripts' USR1 this long before the time limit: the whole stop fits before it
-
-
-def stop_budget(run: "RunConfig") -> StopBudget:
-    """The one place the stop's time budget is derived: torchrun waits the ranks' deadline plus
-    TORCHRUN_GRACE_S, and the SLURM warning comes that long before the time limit, so that SLURM's
-    own SIGTERM (and SIGKILL after KillWait) finds the job already saved and stopped."""
-    deadline = math.ceil(run.stop_deadline_s)
-    shutdown = deadline + TORCHRUN_GRACE_S
-    return StopBudget(deadline_s=deadline, shutdown_timeout_s=shutdown, warning_lead_s=shutdown)
-
-
 @dataclass
 class RunConfig:
     name: str = opt("run", "run name; outputs go to <out_dir>/<name>")
@@ -69,92 +48,67 @@ class RunConfig:
     seed: int = opt(1234, "seeds data order, sampling and initialisation")
     resume: bool = opt(False, "continue from <run dir>/checkpoints/latest (or run.resume_from)")
     resume_from: str = opt("",
-        "with run.resume (--resume): the checkpoint to continue from instead of the latest, e.g. step_000010 "
-        "(a folder under <run dir>/checkpoints) or a path; what the preflight names when the latest is "
-        "corrupt (docs/checkpoints.md). Later checkpoints of the run are removed at its first save.")
+        "with run.resume: the checkpoint to continue from instead of the latest: a folder under "
+        "<run dir>/checkpoints (step_000010) or a path; later checkpoints go at its first save (docs/checkpoints.md)")
     stop_deadline_s: float = opt(240.0,
-        "after SIGTERM or SIGUSR1 the run finishes its learner step, saves a checkpoint there and exits 75 "
-        "(requeue me); if that has not happened this many seconds after the signal (or a second signal comes) "
-        "it stops at once, the previous checkpoint intact (run/stop.py). Size it to a learner step plus two "
-        "checkpoint writes (docs/reliability.md). Every launcher derives torchrun's --shutdown-timeout and the "
-        "SLURM scripts' warning before the time limit from it (config.stop_budget, `megatron-async stop-plan`).")
+        "seconds after SIGTERM/SIGUSR1 to save at a step boundary and exit 75 before stopping at once; the "
+        "launchers' torchrun and SLURM timeouts follow it (docs/reliability.md, `megatron-async stop-plan`)")
 
 
 @dataclass
 class ModelConfig:
-    hf_path: str = opt("tiny",
-        "HF checkpoint directory (config.json + safetensors + tokenizer), or \"tiny\" to build a tiny LLaMA "
-        "and BPE tokenizer in code (the CPU default; see megatron_async/models/tiny.py).")
+    hf_path: str = opt("tiny", "HF checkpoint dir (config.json, safetensors, tokenizer) or \"tiny\" (built in code)")
     tiny_hidden_size: int = opt(128, "tiny model only")
     tiny_layers: int = opt(4, "tiny model only")
     tiny_heads: int = opt(4, "tiny model only")
     tiny_kv_heads: int = opt(2, "tiny model only")
     dtype: Literal["auto", "float32", "bfloat16"] = opt("auto",
-        "the learner's and the replicas' (vLLM) dtype; bfloat16 trains with fp32 main weights, grads and Adam "
-        "state. auto (the run plan's, logged at launch): bfloat16 on GPU and on CPUs with AMX, else float32, "
-        "and float32 for the built-in tiny model (run_plan.model_dtype)")
+        "the learner's and replicas' dtype (bfloat16: fp32 main weights and Adam state); auto: the run plan's, "
+        "bfloat16 on GPU and AMX CPUs, else and for the tiny model float32 (docs/real-models.md)")
     make_vocab_size_divisible_by: int = opt(128,
-        "the learner pads its vocabulary (embedding and output-layer rows) to a multiple of this x parallel.tp, "
-        "as megatron-LM does (default 128, megatron's), so a vocab_size TP does not divide (32001, 1003) still "
-        "splits evenly and each rank's slice is aligned; 1 = pad only to a multiple of tp. The padding rows are "
-        "zero, their logits -inf in every logprob, and they are stripped from the HF export and the weight sync "
-        "(vLLM and HF checkpoints keep the model's vocab_size). See learner/model.py and docs/real-models.md.")
+        "the learner pads its vocabulary to a multiple of this x parallel.tp (megatron's default); 1 = of tp "
+        "only; the padding never leaves the learner (docs/real-models.md)")
 
 
 @dataclass
 class ParallelConfig:
     tp: int = opt(1, "learner tensor-parallel size")
     pp: int = opt(1, "learner pipeline-parallel size")
-    world_size: int = opt(0,
-        "world size (learner ranks); 0 = take WORLD_SIZE from torchrun. DP = world / (tp * pp).")
+    world_size: int = opt(0, "learner ranks; 0 = WORLD_SIZE from torchrun. DP = world / (tp * pp)")
     learner_cpus: int | str = opt("auto",
-        "CPU ids for the learner ranks (\"0\", \"0-3\", \"0,2\"; split evenly over local ranks when there are"
-        " enough): sched_setaffinity + torch threads. \"\" = no pinning. auto (logged at launch): without CUDA"
-        " and with the replicas on this node, the first max(local learner ranks, n // 2) of this machine's n CPUs"
-        " (2 CPUs: \"0\"), the CPUs rollout.replica_cpus leaves if that is set; unpinned on GPU machines, with"
-        " fewer CPUs than local ranks + 1, or without replicas here. The SFT phase uses every CPU either way."
-        " See cluster/cpu_affinity.py.")
+        "CPU ids the learner ranks pin to (\"0\", \"0-3\", \"0,2\"); \"\" = no pinning; auto: the run plan's "
+        "split with the replicas on CPU machines, unpinned on GPU (docs/performance.md#cpu-placement)")
     # GPU performance settings (learner/perf.py): null = auto, on where megatron-core supports it with
     # our model, always off on CPU; true where it cannot work is an error naming the key.
     sequence_parallel: bool | None = opt(None,
-        "split activations along the sequence over TP ranks; null = on for CUDA with tp > 1 and the Transformer "
-        "Engine spec (the local spec's torch RMSNorm refuses it)")
+        "split activations along the sequence over TP ranks; null = on for CUDA, tp > 1 and the TE spec")
     overlap_grad_reduce: bool | None = opt(None,
         "overlap the DP gradient reduce with the backward pass (megatron DDP buckets); null = on for CUDA with DP > 1")
     overlap_param_gather: bool | None = opt(None,
-        "overlap the DistributedOptimizer's parameter all-gather with the next forward; needs overlap_grad_reduce "
-        "(CUDA only); null = on for CUDA with DP > 1. The gather is completed at the end of a step whose weights "
-        "are read next (weight sync, checkpoints)")
+        "overlap the DistributedOptimizer's parameter all-gather with the next forward (needs "
+        "overlap_grad_reduce, CUDA); null = on for CUDA with DP > 1")
     gradient_accumulation_fusion: bool | None = opt(None,
-        "fuse weight-gradient accumulation into the GEMMs; needs the TE spec and apex's fused_weight_gradient_mlp_cuda "
-        "(GPTModel's output layer is megatron's own linear); null = on where both exist and embeddings are untied")
+        "fuse weight-gradient accumulation into the GEMMs (TE spec + apex); null = on where both exist and "
+        "embeddings are untied")
     rope_fusion: bool | None = opt(None, "Transformer Engine's fused RoPE kernel; null = on with the TE spec")
 
 
 @dataclass
 class DataConfig:
-    train: str = opt("synthetic",
-        "\"synthetic\" (procedural GSM8k-style arithmetic), a .jsonl/.parquet path, or a datasets name")
+    train: str = opt("synthetic", "\"synthetic\" (GSM8k-style arithmetic), a .jsonl/.parquet path or a datasets name")
     eval: str = opt("synthetic", "held-out problems, same forms as `train`")
     eval_size: int = opt(64, "held-out prompts evaluated, for pass@1 or the RM score (0 = all)")
-    question_key: str = opt("question",
-        "record field of the prompt text in file / `datasets` sources (ignored for \"synthetic\"); No Robots:"
-        " prompt")
+    question_key: str = opt("question", "record field of the prompt text (file / `datasets` sources)")
     answer_key: str | None = opt("answer",
-        "record field of the reference answer (must end in a number: exact match and SFT need it); null = "
-        "prompts only (reward.kind=reward_model, sft.steps=0)")
-    prompt_template: str = opt("Question: {question}\nAnswer:",
-        "the prompt text; {question} is filled in (other braces doubled)")
+        "record field of the reference answer (ends in a number); null = prompts only (reward_model, no SFT)")
+    prompt_template: str = opt("Question: {question}\nAnswer:", "{question} is filled in (other braces doubled)")
     chat_template: bool = opt(False,
-        "format each prompt as a chat with the tokenizer's own template and generation prompt (an instruct "
-        "model): [system?, user: prompt_template filled] -> apply_chat_template(add_generation_prompt=True), "
-        "tokenized without adding special tokens again; a reward model scores the chat with its own template. "
-        "Set prompt_template to \"{question}\" for the bare question as the user turn")
+        "format each prompt with the tokenizer's chat template and generation prompt (instruct models; "
+        "docs/real-models.md)")
     system_prompt: str = opt("", "chat_template only: a system turn before the question (\"\" = none: the "
                              "template's own default, if it has one)")
     max_prompt_tokens: int = opt(256, "longer prompts are an error (or dropped, see on_long_prompt)")
-    on_long_prompt: OnLongPrompt = opt("error",
-        "a prompt over max_prompt_tokens stops the run (error) or is dropped and counted (drop)")
+    on_long_prompt: OnLongPrompt = opt("error", "over max_prompt_tokens: stop the run (error) or drop, counted (drop)")
 
 
 @dataclass
@@ -166,8 +120,7 @@ class RolloutConfig:
     max_k: int = opt(16, "trainer.auto_balance: the highest K it may choose")
     max_lag: int | Literal["auto"] = opt(1,
         "bound on policy staleness in learner steps; 0 = synchronous baseline; auto = adapted to the measured "
-        "staleness (run/adaptive_lag.py: starts at 1, rises while KL < lag_kl_target and the learner waits "
-        "for generation, falls when KL exceeds it)")
+        "KL within [1, lag_cap] (run/adaptive_lag.py)")
     lag_kl_target: float = opt(0.01, "max_lag auto: target of staleness/kl_k3_mean (per-token KL, generator vs learner)")
     lag_cap: int = opt(4, "max_lag auto: the highest lag it may choose")
     temperature: float = opt(0.7, "sampling temperature of training rollouts (evaluation is greedy)")
@@ -175,53 +128,37 @@ class RolloutConfig:
     max_new_tokens: int = opt(64, "completion length cap (tokens)")
     stop: list = opt(factory=list, help="stop strings")
     kv_cache_gib: float = opt(1.0, "vLLM KV cache per replica (required on CPU)")
-    host: str = opt("127.0.0.1",
-        "replica servers listen here (placement.dedicated_replica_node: the replica node's address)")
+    host: str = opt("127.0.0.1", "replica servers listen here (a dedicated replica node: its address)")
     replica_urls: list = opt(factory=list, help=
-        "URLs of vLLM servers started elsewhere (any launcher, e.g. an srun line running `megatron-async "
-        "serve-replica`), used instead of starting num_replicas here; they need rollout.token")
+        "URLs of vLLM servers started elsewhere (`megatron-async serve-replica`), used instead of num_replicas")
     weight_update: Literal["between_batches", "during_generation"] = opt("between_batches",
-        "when replicas take new weights: between_batches (the paper's: running requests finish first, no "
-        "completion spans two versions) or during_generation (PipelineRL's: /pause?mode=keep freezes running "
-        "requests, they continue under the new weights; a completion carries the versions it spans and the "
-        "lag bound uses the oldest; prefix caching off)")
-    base_port: int = opt(0,
-        "first replica port (replica i binds base_port + i; fixed ports for firewalls between nodes); 0 = "
-        "each replica binds a free port")
+        "when replicas take new weights: between_batches (running requests finish first) or during_generation "
+        "(PipelineRL's; docs/replicas-and-weight-sync.md)")
+    base_port: int = opt(0, "first replica port (replica i binds base_port + i); 0 = each binds a free port")
     token: str = opt("",
-        "auth token; generated when empty; required if host is not loopback. When empty, read from "
-        "$MEGATRON_ASYNC_ROLLOUT_TOKEN (launch scripts use it: a command line is visible in `ps`)")
+        "auth token; required if host is not loopback; empty = $MEGATRON_ASYNC_ROLLOUT_TOKEN, else generated")
     max_replica_failures: int = opt(3, "restarts (or, for replica_urls, losses) per replica before the run stops")
     sync_bucket_mb: int | Literal["auto"] = opt("auto",
-        "weight sync buffer cap (MiB): shm/http bucket per /update_weights call; nccl/gloo packed buffer, "
-        "double-buffered, all of a stage in one call. auto = 64 for shm/http, 1024 for nccl/gloo")
+        "weight sync buffer cap (MiB): a bucket per call (shm/http), or a stage's packed buffer (nccl/gloo); "
+        "auto = 64 for shm/http, 1024 for nccl/gloo")
     sync_timeout_s: float = opt(120.0, "a weight sync slower than this fails loudly")
     sync_full_every: int | Literal["auto"] = opt("auto",
-        "0 = every weight sync sends every weight; N >= 2 = delta sync: only the changed elements, a full sync "
-        "every N syncs and after a replica failure (weights/delta.py; not over nccl). auto = 10 where a replica "
-        "is reached over http and the replicas are bf16, else 0 (run_plan.resolve_full_every)")
+        "0 = every sync full; N >= 2 = delta syncs, a full one every N (not nccl); auto = the run plan's: 10 "
+        "for http with bf16 replicas, else 0 (docs/replicas-and-weight-sync.md)")
     weight_transport: WeightTransport = opt("auto",
-        "how weights reach the replicas (transports.py): shm (/dev/shm, replicas on this host) or http (any "
-        "host) through host memory; nccl (GPU replicas) or gloo (CPU) through process groups. auto "
-        "(run_plan.weight_transport): nccl for the GPU replicas this run starts, else shm or http per replica")
+        "how weights reach the replicas: shm, http, nccl or gloo; auto = the run plan's: nccl for this run's GPU "
+        "replicas, else shm or http per replica (transports.py, docs/replicas-and-weight-sync.md)")
     rendezvous_address: str = opt("",
-        "weight_transport=nccl/gloo: the address replicas reach the learner's sender at (its process "
-        "group's TCP rendezvous); \"\" = 127.0.0.1 for replicas on this host, else the address this host "
-        "uses to reach the replica's host")
-    rendezvous_port: int = opt(0,
-        "weight_transport=nccl/gloo: the group of learner pipeline stage s whose first replica is replica i (one "
-        "group per replica host) rendezvous at rendezvous_port + s * num_replicas + i; 0 = a free port each time")
+        "nccl/gloo: the address replicas reach the learner's sender at; \"\" = 127.0.0.1 for replicas on "
+        "this host, else this host's address toward theirs")
+    rendezvous_port: int = opt(0, "nccl/gloo: stage s, replica i use rendezvous_port + s * num_replicas + i; 0 = free")
     generate_timeout_s: float = opt(600.0, "a generation request slower than this fails its replica")
     startup_timeout_s: float = opt(300.0,
-        "seconds a replica may take to answer after it was started or restarted (a replica_urls server: to "
-        "answer again after a failure) before the run stops. GPU replicas load their weights, compile and "
-        "capture CUDA graphs before they answer; several large replicas starting at once on one node (four 8B) "
-        "may need more")
+        "seconds a replica may take to answer after a (re)start or failure before the run stops; large GPU "
+        "replicas starting together may need more (docs/reliability.md)")
     replica_cpus: int | str = opt("auto",
-        "CPU ids every replica process pins itself to (\"1\", \"2-3\"); \"\" = no pinning (if the learner is "
-        "pinned, replicas get the CPUs the learner had before pinning). auto: the CPUs the learner's share "
-        "leaves (parallel.learner_cpus: 2 CPUs give the replicas \"1\"), unpinned where the learner is. See "
-        "cluster/cpu_affinity.py.")
+        "CPU ids every replica process pins to (\"1\", \"2-3\"); \"\" = no pinning; auto: the CPUs "
+        "parallel.learner_cpus leaves (docs/performance.md#cpu-placement)")
 
 
 @dataclass
@@ -231,8 +168,7 @@ class TrainerConfig:
     lr: float = opt(5e-5, "peak learning rate of the policy (Adam)")
     min_lr: float = opt(0.0, "learning rate at the end of the decay")
     warmup_steps: int = opt(2, "linear warm-up, in optimizer steps")
-    lr_decay: Literal["constant", "linear", "cosine"] = opt("linear",
-        "decay from lr to min_lr over the run's optimizer steps")
+    lr_decay: Literal["constant", "linear", "cosine"] = opt("linear", "lr to min_lr over the optimizer steps")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     grad_clip: float = opt(1.0, "global gradient-norm clip (0 = none)")
     adam_beta1: float = opt(0.9, "Adam beta1")
@@ -240,46 +176,32 @@ class TrainerConfig:
     minibatches: int = opt(1, "N: minibatches (optimizer steps) per generation batch")
     updates_per_batch: int = opt(1, "T: passes over each batch")
     auto_balance: bool = opt(False,
-        "raise T while generation-bound and rollout.k while training-bound, each within its bound "
-        "(run/auto_balance.py: the paper's Section 4)")
+        "raise T while generation-bound and rollout.k while training-bound, within their bounds (run/auto_balance.py)")
     max_updates_per_batch: int = opt(4, "auto_balance: the highest T it may choose")
     micro_batch_size: int = opt(8, "sequences per forward/backward microbatch (at most, with micro_batch_tokens)")
     micro_batch_tokens: int = opt(0,
-        "0 = microbatches of micro_batch_size rows, all padded to the minibatch's longest row. N > 0 = a token "
-        "budget: rows (DPO pairs) sorted longest first and grouped so that rows x the group's longest row <= N "
-        "(and rows <= micro_batch_size; a longer row is a microbatch of its own), each padded only to its own "
-        "longest row (on GPU rounded up to a multiple of 64, which the budget counts); a row-mean loss is the same, the "
-        "samples per optimizer step the same (token means within a microbatch, as GRPO's, PPO's and the RPO term's, "
-        "move with the grouping: algorithms/base.py). Logged: train/padding_fraction. Pipeline stages exchange the "
-        "varying shapes (only then). Size it from a rank's free memory: docs/scaling.md.")
+        "0 = microbatches of micro_batch_size rows; N > 0 = a token budget: rows x longest row <= N per "
+        "microbatch, each padded to its own longest row (docs/algorithms.md, docs/scaling.md)")
     logits_chunk_mb: int = opt(0,
-        "0 = each microbatch's logits are made at once (fastest: the LM head runs once); N = at most N MB of "
-        "fp32 logits per TP rank at a time, each chunk recomputed in the backward (one more LM-head GEMM), so "
-        "the LM head's memory is bounded: LLaMA-3's 128k vocabulary makes 4 GB of fp32 logits per 8k-token "
-        "microbatch, and the loss several such tensors (learner/lm_head.py, docs/performance.md)")
+        "0 = each microbatch's logits at once (fastest); N = at most N MB of fp32 logits per TP rank at a "
+        "time, recomputed in the backward (learner/lm_head.py, docs/performance.md)")
     beta: float = opt(0.1, "DPO beta / KL coefficient")
     dpo_loss: Literal["sigmoid", "ipo"] = opt("sigmoid", "online_dpo: the DPO (sigmoid) or IPO loss")
-    dpo_nll_coef: float = opt(0.0,
-        "weight of an NLL term on the chosen completion added to the DPO loss (RPO, Pang et al. 2024: plain "
-        "DPO lowers the chosen's likelihood too on math reasoning); 0 = the paper's plain DPO")
+    dpo_nll_coef: float = opt(0.0, "NLL weight on the chosen completion (RPO, Pang et al. 2024); 0 = plain DPO")
     clip_eps: float = opt(0.2, "PPO / GRPO / Proximal RLOO ratio clip")
     clip_eps_high: float | None = opt(None,
         "upper ratio clip of PPO and GRPO (DAPO's clip-higher, e.g. 0.28); null = clip_eps (symmetric)")
     off_policy_correction: Literal["auto", "none", "tis", "icepop", "decoupled"] = opt("auto",
-        "correction of ppo, rloo, proximal_rloo and grpo against the generating policy's logprobs "
-        "(algorithms/off_policy.py): none = the paper's losses; tis = truncated importance weights; icepop = "
-        "weights outside [icepop_low, icepop_high] drop the token; decoupled = AReaL's decoupled PPO; auto = "
-        "tis when rollout.max_lag != 0, none for the synchronous baseline")
+        "ppo/rloo/proximal_rloo/grpo against the generator's logprobs: none, tis, icepop or decoupled; auto = "
+        "tis when rollout.max_lag != 0, else none (docs/off-policy.md)")
     is_cap: float = opt(2.0, "tis: the importance weights' cap; decoupled: tokens whose weight exceeds it are dropped")
     icepop_low: float = opt(0.5, "icepop: lowest importance weight kept")
     icepop_high: float = opt(2.0, "icepop: highest importance weight kept")
     staleness_monitor: bool = opt(True,
-        "log staleness/* every step: KL(generator || learner) on the trained tokens (k3), importance-weight "
-        "mean, max and effective sample size; costs one forward pass per batch where the loss needs none")
+        "log staleness/* (generator-vs-learner KL, importance weights) every step; costs a forward pass")
     grpo_std_normalization: bool = opt(True, "grpo: divide advantages by the group's reward std (false = Dr. GRPO)")
     loss_aggregation: Literal["token", "sequence"] = opt("token",
-        "grpo: mean over all completion tokens (token: DAPO, Dr. GRPO) or per completion, then over "
-        "completions (sequence: the original GRPO)")
+        "grpo: mean over all completion tokens (token: DAPO, Dr. GRPO) or per completion (sequence: GRPO's)")
     grpo_kl_coef: float = opt(0.0, "grpo: weight of the k3 KL to the reference in the loss (0 = KL only logged)")
     vf_coef: float = opt(0.1, "PPO value loss weight")
     value_lr: float | None = opt(None,
@@ -287,13 +209,9 @@ class TrainerConfig:
     gamma: float = opt(1.0, "PPO discount")
     lam: float = opt(0.95, "PPO GAE lambda")
     checkpoint_every: int = opt(10, "steps between checkpoints (0 = only at the end)")
-    async_save: bool = opt(True,
-        "write each checkpoint in a background process (megatron-core's async save) while the learner goes on; "
-        "`latest` moves once it is complete; a stop waits for it (docs/checkpoints.md)")
+    async_save: bool = opt(True, "save checkpoints in a background process, the learner going on (docs/checkpoints.md)")
     eval_every: int = opt(0, "steps between pass@1 evaluations (0 = before and after only)")
-    max_bad_steps: int = opt(3,
-        "consecutive bad steps (NaN/inf loss or gradients, or no sample with a reward) before the run stops with "
-        "an error; a run of fewer steps stops at its end if every step was bad (run/bad_steps.py)")
+    max_bad_steps: int = opt(3, "consecutive bad steps (NaN/inf, no reward) before the run stops (run/bad_steps.py)")
 
 
 @dataclass
@@ -323,20 +241,13 @@ class PlacementConfig:
     """Where learner ranks and replicas run; see cluster/placement.py and docs/multi-node.md."""
 
     nnodes: int = opt(1, "nodes in the job (torchrun --nnodes); learner ranks run on every node")
-    replica_node: int = opt(0,
-        "node rank hosting the vLLM replicas. Without a dedicated replica node only 0: they are then "
-        "subprocesses of global rank 0, which a static torchrun rendezvous (--node-rank) puts on node 0.")
-    dedicated_replica_node: bool = opt(False,
-        "the replica node runs no learner ranks: `megatron-async serve-replica CFG --index i` runs replica i's "
-        "vLLM server there (rollout.host:rollout.base_port + i, needs rollout.token), and learner rank 0's "
-        "pool uses those URLs; torchrun spans nnodes - 1 nodes")
+    replica_node: int = opt(0, "node rank hosting the replicas; 0 unless placement.dedicated_replica_node")
+    dedicated_replica_node: bool = opt(False, "the replica node runs only `serve-replica` (docs/multi-node.md)")
     gpus_per_node: int = opt(0, "GPUs per node; 0 = detect at launch. Ignored without CUDA.")
     learner_gpus: list | str = opt("auto",
-        "CUDA ids of the learner ranks on each node (local rank i -> learner_gpus[i]); \"auto\" = every GPU "
-        "of the node that is not a replica GPU (so the replica node may run fewer learner ranks)")
+        "CUDA ids of the learner ranks on each node; \"auto\" = the node's GPUs that are not replica GPUs")
     replica_gpus: list | str = opt("auto",
-        "CUDA ids for the replicas on the replica node, rollout.replica_tp consecutive ids per replica; "
-        "\"auto\" = the node's last num_replicas x replica_tp GPUs")
+        "CUDA ids of the replicas on the replica node, replica_tp per replica; \"auto\" = the node's last ones")
 
 
 @dataclass

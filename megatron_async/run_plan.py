@@ -5,9 +5,11 @@
     save_plan(plan, cfg.run_dir)    # plan.json beside config.yaml; `serve-replica` on another node reads it
 
 It settles the model's dtype (the learner's and the replicas'), the learner's device (a CUDA device
-here or not), the weight transport, the engine the replicas run for it, the delta-sync schedule,
-the sync buffer and the CPU lists. The config (config.py) only checks values; this module alone
-turns `auto` into a choice and probes the machine (CUDA devices, the CPU's flags, its CPUs) for it;
+here or not) and the fused kernels it has (`learner_backend`: the Transformer Engine spec, apex's
+and megatron's legacy kernels; learner/perf.py turns them into settings per model), the weight
+transport, the engine the replicas run for it, the delta-sync schedule, the sync buffer and the
+CPU lists. The config (config.py) only checks values; this module alone turns `auto` into a
+choice and probes the machine (CUDA devices and kernels, the CPU's flags, its CPUs) for it;
 the learner, the replicas and the senders take the plan. Each learner rank builds one before it
 pins itself (the CPU lists are its node's), and `Trainer.build` gives every rank rank 0's, so
 that senders and replicas on different machines never choose differently.
@@ -15,6 +17,7 @@ that senders and replicas on different machines never choose differently.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -27,6 +30,7 @@ from megatron_async.cluster.cpu_affinity import AMX_BF16_FLAG, cpu_flags
 from megatron_async.cluster.placement import cpu_plan
 from megatron_async.config import Config, ModelConfig
 from megatron_async.io_utils import atomic_write_text
+from megatron_async.learner.perf import Backend
 from megatron_async.transports import TRANSPORTS, carrier_for, sync_bucket_bytes, weight_engine
 
 PLAN_FILE = "plan.json"  # in the run folder, beside config.yaml
@@ -37,6 +41,9 @@ AUTO_FULL_EVERY = 10  # rollout.sync_full_every: auto, where deltas pay
 class RunPlan:
     """What the run does where its config says `auto` or leaves it to the machine; each choice with why."""
     cuda: bool  # a CUDA device is visible: the learner runs on GPUs, the replicas this run starts too
+    te_spec: bool  # the learner uses the Transformer Engine layer spec (TE importable, on CUDA)
+    grad_accum_kernel: bool  # apex's fused_weight_gradient_mlp_cuda is importable (on CUDA)
+    softmax_kernel: bool  # megatron's legacy scaled_(upper_triang_)masked_softmax_cuda are importable (on CUDA)
     model_dtype: str  # model.dtype: the learner trains in it, the replicas (vLLM) run in it, weights are sent in it
     model_dtype_why: str
     weight_transport: str  # rollout.weight_transport; "auto" left means host memory, shm or http per replica
@@ -53,11 +60,20 @@ class RunPlan:
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.model_dtype)
 
+    @property
+    def backend(self) -> Backend:
+        """The learner's device and kernels, as learner/perf.py resolves its settings against them."""
+        return Backend(cuda=self.cuda, te=self.te_spec, grad_accum_kernel=self.grad_accum_kernel,
+                       softmax_kernel=self.softmax_kernel)
+
     def describe(self) -> str:
         """The plan on one line, for the log."""
         cpus = lambda c: f"CPUs {c}" if c else "unpinned"  # noqa: E731
         sync = f"deltas, a full sync every {self.sync_full_every}" if self.sync_full_every else "every sync full"
-        return (f"run plan: {'cuda' if self.cuda else 'cpu'}; {self.model_dtype} ({self.model_dtype_why}); weights "
+        kernels = [name for name, have in (("TE spec", self.te_spec), ("apex wgrad", self.grad_accum_kernel),
+                                           ("legacy softmax", self.softmax_kernel)) if have]
+        device = f"cuda ({', '.join(kernels) or 'no fused kernels'})" if self.cuda else "cpu"
+        return (f"run plan: {device}; {self.model_dtype} ({self.model_dtype_why}); weights "
                 f"over {self.weight_transport} ({self.weight_transport_why}) to engine {self.weight_engine}, "
                 f"{sync} ({self.sync_full_every_why}), buffers of {self.sync_bucket_bytes >> 20} MiB; learner "
                 f"{cpus(self.learner_cpus)}, replicas {cpus(self.replica_cpus)} ({self.cpus_why})")
@@ -65,17 +81,20 @@ class RunPlan:
 
 def build_plan(cfg: Config, cuda: bool | None = None) -> RunPlan:
     """The plan of `cfg` on this machine. `cuda`: plan for a machine with (True) or without (False)
-    a CUDA device instead of this one (`plan-sync` plans a GPU run from anywhere)."""
+    a CUDA device instead of this one (`plan-sync` plans a GPU run from anywhere; that machine's
+    fused kernels are unknown here, so its plan has none)."""
     r = cfg.rollout
-    cuda = cuda_here() if cuda is None else cuda
+    backend = learner_backend(cuda_here()) if cuda is None else Backend(cuda=cuda, te=False)
+    cuda = backend.cuda
     dtype, dtype_why = model_dtype(cfg.model, cuda)
     transport, transport_why = weight_transport(cfg, cuda)
     # replicas this run starts, or a dedicated node's, listen at rollout.host
     urls = list(r.replica_urls) or [f"http://{r.host}"] * r.num_replicas
     full_every, full_why = resolve_full_every(r.sync_full_every, transport, urls, getattr(torch, dtype))
     cpus = cpu_plan(cfg)
-    return RunPlan(cuda=cuda, model_dtype=dtype, model_dtype_why=dtype_why, weight_transport=transport,
-                   weight_transport_why=transport_why, weight_engine=weight_engine(transport),
+    return RunPlan(cuda=cuda, te_spec=backend.te, grad_accum_kernel=backend.grad_accum_kernel,
+                   softmax_kernel=backend.softmax_kernel, model_dtype=dtype, model_dtype_why=dtype_why,
+                   weight_transport=transport, weight_transport_why=transport_why, weight_engine=weight_engine(transport),
                    sync_full_every=full_every, sync_full_every_why=full_why,
                    sync_bucket_bytes=sync_bucket_bytes(r.sync_bucket_mb, transport),
                    learner_cpus=cpus.learner, replica_cpus=cpus.replica, cpus_why=cpus.why)
@@ -98,6 +117,20 @@ def cuda_here() -> bool:
     """A CUDA device is visible. Counted by NVML (torch.cuda.device_count), which neither
     initialises CUDA nor makes a later fork unsafe (torch.cuda.is_available would)."""
     return torch.cuda.device_count() > 0
+
+
+def learner_backend(cuda: bool) -> Backend:
+    """The learner's fused kernels on this machine, with CUDA (`cuda`) or without (none of them).
+    megatron-core's TE extension is imported only with CUDA: a CPU process (a replica, eval) never
+    loads megatron-core for the plan."""
+    if not cuda:
+        return Backend(cuda=False, te=False)
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    have = lambda m: importlib.util.find_spec(m) is not None  # noqa: E731
+    return Backend(cuda=True, te=bool(HAVE_TE), grad_accum_kernel=have("fused_weight_gradient_mlp_cuda"),
+                   softmax_kernel=have("scaled_masked_softmax_cuda")
+                   and have("scaled_upper_triang_masked_softmax_cuda"))
 
 
 def model_dtype(model: ModelConfig, cuda: bool | None = None) -> tuple[str, str]:

@@ -6,7 +6,9 @@ import sys
 import pytest
 import torch
 
+from megatron_async import run_plan
 from megatron_async.config import ConfigError, load_config
+from megatron_async.learner.perf import Backend, resolve
 from megatron_async.run_plan import PLAN_FILE, RunPlan, build_plan, load_plan, save_plan
 from megatron_async.transports import TRANSPORTS, carrier_for
 from megatron_async.weights.vllm_plugin import ENGINE_CLASSES
@@ -31,6 +33,23 @@ def test_a_gpu_machine_plans_bf16_over_nccl_with_vllms_packed_buffer_and_no_delt
     # deltas asked for: host memory, whose carrier over http makes them pay for a bf16 replica
     plan = build_plan(load_config(None, ["rollout.sync_full_every=5"]), cuda=True)
     assert (plan.weight_transport, plan.sync_full_every) == ("auto", 5)
+
+
+def test_the_learners_device_and_kernels_are_probed_once_by_the_plan_and_resolved_against(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert build_plan(load_config(None, [])).backend == Backend(cuda=False, te=False)  # this CPU machine
+    gpu = Backend(cuda=True, te=True, grad_accum_kernel=True, softmax_kernel=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(run_plan, "learner_backend", lambda cuda: gpu if cuda else Backend(cuda=False, te=False))
+    plan = build_plan(load_config(None, ["parallel.tp=2"]))
+    assert plan.backend == gpu and plan.describe().startswith("run plan: cuda (TE spec, apex wgrad); bfloat16")
+    save_plan(plan, tmp_path)
+    assert load_plan(tmp_path) == plan  # what every rank and serve-replica read: rank 0's probe
+    perf = resolve(None, plan.backend, tp=2, dp=2)  # what the learner builds with (learner/model.py)
+    assert (perf.sequence_parallel, perf.rope_fusion, perf.gradient_accumulation_fusion) == (True, True, True)
+    assert not resolve(None, plan.backend, tp=2, dp=2, tied_embeddings=True).gradient_accumulation_fusion
+    # a plan for another machine (plan-sync's cuda=True) knows none of its kernels
+    assert build_plan(load_config(None, []), cuda=True).backend == Backend(cuda=True, te=False)
 
 
 def test_each_transport_rule_is_the_tables_and_the_checks_read_it():

@@ -1,5 +1,5 @@
-"""The stop budget every launcher derives from run.stop_deadline_s (config.stop_budget, printed by
-`megatron-async stop-plan`), and the launch scripts that use it.
+"""The stop budget every launcher derives from run.stop_deadline_s (run/torchrun.py's stop_budget,
+printed by `megatron-async stop-plan`), and the launch scripts that use it.
 
 Fast tier: the derivation and the command's output, in-process. Integration: the real scripts
 (launch/single_node.sh, launch/slurm_llama70b.sbatch) run with SLURM's commands and torchrun
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from megatron_async.cli import main as cli_main
-from megatron_async.config import TORCHRUN_GRACE_S, load_config, stop_budget
-from megatron_async.run.torchrun import torchrun_stop_flags
+from megatron_async.config import load_config
+from megatron_async.run.torchrun import TORCHRUN_GRACE_S, stop_budget, torchrun_stop_flags
 from tests.dist import REPO
 
 CFG = str(REPO / "configs" / "cpu_tiny.yaml")

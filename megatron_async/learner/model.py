@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from megatron_async.learner.perf import PerfSettings, ResolvedPerf
+    from megatron_async.learner.perf import Backend, PerfSettings, ResolvedPerf
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 VOCAB_DIVISIBLE_BY = 128  # megatron's default make_vocab_size_divisible_by
@@ -177,18 +177,20 @@ def transformer_config(arch: LlamaArch, tp: int = 1, pp: int = 1, dtype: torch.d
                        perf: "ResolvedPerf | None" = None, shapes_vary: bool = False):
     """The megatron `TransformerConfig` equivalent to `arch` (dropout off; no CUDA fusions on CPU).
 
-    `perf`: the resolved performance settings (`learner.perf`); default: auto for this process's
-    backend at `tp` (DP does not matter here). Its backend decides CPU vs CUDA choices, so a GPU
-    configuration can be built (and checked) on a CPU machine too.
+    `perf`: the resolved performance settings (`learner.perf`); default: auto for this machine's
+    backend as the run plan finds it (`run_plan.learner_backend`) at `tp` (DP does not matter here).
+    Its backend decides CPU vs CUDA choices, so a GPU configuration can be built (and checked) on a
+    CPU machine too.
     `shapes_vary`: the microbatches of one pass may differ in [batch, seq] (a token budget,
     trainer.micro_batch_tokens); only then do pipeline stages exchange shapes (`variable_seq_lengths`).
     """
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_async.learner.perf import Backend, resolve
+    from megatron_async.learner.perf import resolve
+    from megatron_async.run_plan import cuda_here, learner_backend
 
     if perf is None:
-        perf = resolve(None, Backend.detect(), tp=tp, dp=1, tied_embeddings=arch.tie_word_embeddings)
+        perf = resolve(None, learner_backend(cuda_here()), tp=tp, dp=1, tied_embeddings=arch.tie_word_embeddings)
     cuda = perf.backend.cuda
     dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
     arch.check_parallel(tp, pp)
@@ -241,7 +243,7 @@ def transformer_config(arch: LlamaArch, tp: int = 1, pp: int = 1, dtype: torch.d
 
 
 def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dtype | None = None,
-                perf: "PerfSettings | ResolvedPerf | None" = None,
+                perf: "PerfSettings | ResolvedPerf | None" = None, backend: "Backend | None" = None,
                 make_vocab_size_divisible_by: int = VOCAB_DIVISIBLE_BY, logits_chunk_bytes: int = 0,
                 shapes_vary: bool = False) -> LearnerModel:
     """Build this rank's model chunk(s) (one: no virtual pipeline) with random weights (the
@@ -249,8 +251,10 @@ def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dt
 
     Needs `learner.parallel.init_parallel` first; TP/PP sizes come from megatron's parallel_state.
     `perf`: the performance settings (`learner.perf.PerfSettings.from_config(cfg.parallel)`; None =
-    auto), resolved here for this backend and layout (the record's `perf`, where
+    auto), resolved here for `backend` and this layout (the record's `perf`, where
     `learner.optimizer.build_optimizer` reads the DDP overlap settings).
+    `backend`: the learner's device and kernels, the run plan's (`RunPlan.backend`); None = this
+    machine's as the plan finds it (`run_plan.learner_backend`: tools and tests without a run).
     `make_vocab_size_divisible_by`: the vocabulary is padded to a multiple of it x TP (module
     docstring; the record's `padded_vocab_size`).
     `logits_chunk_bytes`: the record's; `trainer.logits_chunk_mb` (learner/lm_head.py).
@@ -265,7 +269,8 @@ def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dt
 
     from megatron_async.learner.attention import SDPAttention
     from megatron_async.learner.lm_head import defer_lm_head
-    from megatron_async.learner.perf import Backend, ResolvedPerf, resolve
+    from megatron_async.learner.perf import ResolvedPerf, resolve
+    from megatron_async.run_plan import cuda_here, learner_backend
 
     if isinstance(hf_config, LlamaArch):
         arch, raw = hf_config, None
@@ -275,7 +280,8 @@ def build_model(hf_config: str | os.PathLike | dict | LlamaArch, dtype: torch.dt
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if not isinstance(perf, ResolvedPerf):
-        perf = resolve(perf, Backend.detect(), tp=tp, dp=parallel_state.get_data_parallel_world_size(),
+        backend = backend or learner_backend(cuda_here())
+        perf = resolve(perf, backend, tp=tp, dp=parallel_state.get_data_parallel_world_size(),
                        tied_embeddings=arch.tie_word_embeddings)
     config = transformer_config(arch, tp, pp, dtype, perf=perf, shapes_vary=shapes_vary)
     vocab = padded_vocab_size(arch.vocab_size, tp, make_vocab_size_divisible_by)

@@ -1,7 +1,7 @@
 """The learner's GPU performance settings: which megatron-core features are on, and why.
 
     perf = PerfSettings.from_config(cfg.parallel)        # None = auto for each key
-    model = build_model(hf_dir, perf=perf)               # resolved once, kept in the LearnerModel record
+    model = build_model(hf_dir, perf=perf, backend=plan.backend)   # resolved once, kept in the LearnerModel record
     ddp, optimizer, scheduler = build_optimizer(model, settings)    # reads the record's settings
 
 Each key is tri-state: True (on; an error naming the key if it cannot work here), False (off),
@@ -43,7 +43,6 @@ hook then skips the lookup's gradient; not verified on a GPU, so auto leaves it 
 """
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, fields
 
 from megatron_async.config import ConfigError
@@ -70,27 +69,13 @@ class PerfSettings:
 
 @dataclass(frozen=True)
 class Backend:
-    """What this process has: CUDA, the Transformer Engine layer spec, legacy fused kernels."""
+    """What the learner's machine has: CUDA, the Transformer Engine layer spec, legacy fused kernels
+    (probed once, by the run plan: `run_plan.learner_backend`, `RunPlan.backend`)."""
 
     cuda: bool
     te: bool  # the TE layer spec is used (TE importable and CUDA)
     grad_accum_kernel: bool = False  # apex's fused_weight_gradient_mlp_cuda
     softmax_kernel: bool = False  # legacy scaled_masked_softmax_cuda + scaled_upper_triang_...
-
-    @classmethod
-    def detect(cls) -> "Backend":
-        import torch
-
-        cuda = torch.cuda.is_available()
-        te = False
-        if cuda:
-            from megatron.core.extensions.transformer_engine import HAVE_TE
-
-            te = bool(HAVE_TE)
-        have = lambda m: importlib.util.find_spec(m) is not None  # noqa: E731
-        return cls(cuda=cuda, te=te, grad_accum_kernel=cuda and have("fused_weight_gradient_mlp_cuda"),
-                   softmax_kernel=cuda and have("scaled_masked_softmax_cuda")
-                   and have("scaled_upper_triang_masked_softmax_cuda"))
 
 
 @dataclass(frozen=True)

@@ -58,13 +58,14 @@ class ValueHead(torch.nn.Module):
 
 
 def build_value_model(hf_dir, from_reward_model: bool = False, dtype: torch.dtype | None = None, perf=None,
-                      make_vocab_size_divisible_by: int = VOCAB_DIVISIBLE_BY, shapes_vary: bool = False) -> LearnerModel:
+                      backend=None, make_vocab_size_divisible_by: int = VOCAB_DIVISIBLE_BY,
+                      shapes_vary: bool = False) -> LearnerModel:
     """This rank's value model (`value_head` set): the trunk of the HF checkpoint `hf_dir` and a
     `ValueHead` on the last stage, zero, or with `from_reward_model` (a one-label sequence
-    classifier) its `score.weight`. `dtype`, `perf`, `make_vocab_size_divisible_by`, `shapes_vary`: as for
+    classifier) its `score.weight`. `dtype`, `perf`, `backend`, `make_vocab_size_divisible_by`, `shapes_vary`: as for
     `learner.model.build_model` (the policy's settings; the embedding is padded like the policy's)."""
-    model = build_model(hf_dir, dtype=dtype, perf=perf, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                        shapes_vary=shapes_vary)
+    model = build_model(hf_dir, dtype=dtype, perf=perf, backend=backend,
+                        make_vocab_size_divisible_by=make_vocab_size_divisible_by, shapes_vary=shapes_vary)
     if not from_reward_model:
         load_hf_weights(model, hf_dir)  # before the swap: the policy's checkpoint has an LM head, not ours
     for chunk in model.chunks:

@@ -79,17 +79,20 @@ class LearnerState:
                                  adam_beta2=t.adam_beta2, clip_grad=t.grad_clip, warmup_steps=t.warmup_steps,
                                  decay_steps=max(1, optim_steps - t.warmup_steps), decay_style=t.lr_decay)
         perf = PerfSettings.from_config(cfg.parallel)  # parallel.* GPU settings, resolved per model (learner/perf.py)
+        backend = plan.backend  # the device and fused kernels they are resolved against (run_plan.py)
         vocab_pad = cfg.model.make_vocab_size_divisible_by  # learner/model.py: vocabulary padding
         chunk_bytes = t.logits_chunk_mb << 20  # learner/lm_head.py: 0 = each microbatch's logits at once
         shapes_vary = t.micro_batch_tokens > 0  # a token budget's microbatches differ in shape (learner/model.py)
         if layout.rank == 0:
             log.info("learner: %s (%s)", plan.model_dtype, plan.model_dtype_why)
         dtype = plan.torch_dtype  # bf16: fp32 main weights in the optimizer (learner/optimizer.py)
-        policy = build_model(init_model, dtype=dtype, perf=perf, make_vocab_size_divisible_by=vocab_pad,
-                             logits_chunk_bytes=chunk_bytes, shapes_vary=shapes_vary)
+        policy = build_model(init_model, dtype=dtype, perf=perf, backend=backend,
+                             make_vocab_size_divisible_by=vocab_pad, logits_chunk_bytes=chunk_bytes,
+                             shapes_vary=shapes_vary)
         load_hf_weights(policy, init_model)
-        reference = build_model(init_model, dtype=dtype, perf=perf, make_vocab_size_divisible_by=vocab_pad,
-                                logits_chunk_bytes=chunk_bytes, shapes_vary=shapes_vary)
+        reference = build_model(init_model, dtype=dtype, perf=perf, backend=backend,
+                                make_vocab_size_divisible_by=vocab_pad, logits_chunk_bytes=chunk_bytes,
+                                shapes_vary=shapes_vary)
         load_hf_weights(reference, init_model)
         for chunk in reference.chunks:
             chunk.requires_grad_(False)
@@ -97,7 +100,7 @@ class LearnerState:
         value = None
         if algorithm.value_model:  # starts from the reward model if there is one, else the policy
             value_model = build_value_model(cfg.reward.model_path if value_from_rm else init_model,
-                                       from_reward_model=value_from_rm, dtype=dtype, perf=perf,
+                                       from_reward_model=value_from_rm, dtype=dtype, perf=perf, backend=backend,
                                        make_vocab_size_divisible_by=vocab_pad, shapes_vary=shapes_vary)
             value_lr = t.value_lr or t.lr  # the policy's schedule shape, scaled to value_lr
             value = Trainable(*build_optimizer(value_model, dataclasses.replace(settings, lr=value_lr,

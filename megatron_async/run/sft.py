@@ -52,7 +52,7 @@ def run_sft(cfg: Config, plan: RunPlan, base: Path, tokenizer, layout: ParallelL
         return out
     s = cfg.sft
     model = build_model(base, dtype=plan.torch_dtype,  # the RL learner's (learner_state.py)
-                        perf=PerfSettings.from_config(cfg.parallel),
+                        perf=PerfSettings.from_config(cfg.parallel), backend=plan.backend,
                         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
     load_hf_weights(model, base)
     settings = OptimSettings(lr=s.lr, min_lr=s.lr / 10, clip_grad=1.0, warmup_steps=min(20, s.steps // 10),

@@ -5,14 +5,37 @@
         --master-addr node0 --master-port 29500]     # launch/*.sh: prints TORCHRUN_ARGS=(...) to eval
 
 torchrun forwards SIGUSR1 too (its default list lacks it; SLURM's warning, run/stop.py) and waits
-for the ranks' stop (config.stop_budget) before it kills them. The rendezvous is static
+for the ranks' stop before it kills them: `stop_budget` derives that wait and the SLURM scripts'
+warning from run.stop_deadline_s (`megatron-async stop-plan` prints it). The rendezvous is static
 (--node-rank, --master-addr/--master-port; launch/multi_node.sh says why not c10d); one node's
 is on 127.0.0.1.
 """
 from __future__ import annotations
 
-from megatron_async.config import Config, stop_budget
+import math
+from dataclasses import dataclass
+
+from megatron_async.config import Config, RunConfig
 from megatron_async.learner.parallel import free_port
+
+TORCHRUN_GRACE_S = 60  # torchrun's wait beyond run.stop_deadline_s: the ranks' exit after their save or stop at once
+
+
+@dataclass(frozen=True)
+class StopBudget:
+    """run.stop_deadline_s and what the launchers derive from it, in whole seconds (`stop_budget`)."""
+    deadline_s: int  # signal -> checkpoint saved and exit 75, or stop at once (run/stop.py)
+    shutdown_timeout_s: int  # torchrun's --shutdown-timeout: how long it waits for its ranks before SIGKILL
+    warning_lead_s: int  # the SLURM scripts' USR1 this long before the time limit: the whole stop fits before it
+
+
+def stop_budget(run: RunConfig) -> StopBudget:
+    """The one place the stop's time budget is derived: torchrun waits the ranks' deadline plus
+    TORCHRUN_GRACE_S, and the SLURM warning comes that long before the time limit, so that SLURM's
+    own SIGTERM (and SIGKILL after KillWait) finds the job already saved and stopped."""
+    deadline = math.ceil(run.stop_deadline_s)
+    shutdown = deadline + TORCHRUN_GRACE_S
+    return StopBudget(deadline_s=deadline, shutdown_timeout_s=shutdown, warning_lead_s=shutdown)
 
 
 def torchrun_stop_flags(cfg: Config) -> list[str]:
