@@ -33,12 +33,11 @@ import os
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from megatron_async.run.stop import DUPLICATE_WINDOW_S
 
 if TYPE_CHECKING:  # annotations only
-    from megatron_async.run.checkpoint import RunCheckpoints
     from megatron_async.rollout.pool import ReplicaPool
     from megatron_async.rollout.producer import RolloutProducer
 
@@ -50,9 +49,10 @@ SIGNAL_DURING = "MEGATRON_ASYNC_SIGNAL_DURING"
 SIGNAL_TO = "MEGATRON_ASYNC_SIGNAL_TO"
 
 
-def crash_after_checkpoint(step: int, checkpoints: RunCheckpoints) -> None:
+def crash_after_checkpoint(step: int, wait_for_saves: Callable[[], None]) -> None:
+    """SIGKILL this process at `step` once the saves under way are written (`RunCheckpoints.wait`)."""
     if os.environ.get(CRASH_AFTER_CHECKPOINT) == str(step):
-        checkpoints.wait()
+        wait_for_saves()
         os.kill(os.getpid(), signal.SIGKILL)
 
 

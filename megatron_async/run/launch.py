@@ -10,9 +10,8 @@ learner rank 0 takes the run folder for the run's lifetime (`run/run_lock.py`). 
 variables and with more than one learner rank needed (tp x pp, or --nproc), the command relaunches
 itself under torchrun (`run/torchrun.py`). Learner rank 0 starts the vLLM replicas, never torchrun.
 
-Stopping (`run/stop.py`): SIGTERM / SIGUSR1 checkpoint at the step boundary and exit 75 (requeue
-me), Ctrl-C stops now; one line says what was saved and how to continue. At start, /dev/shm
-segments of runs that died are removed.
+Stopping (`run/stop.py`): SIGTERM / SIGUSR1 save at the step boundary, exit 75 (requeue me); Ctrl-C
+stops now; one line says what was saved and how to continue. At start, dead runs' /dev/shm is freed.
 """
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ from megatron_async.config import Config, ConfigError
 from megatron_async.learner.parallel import destroy_parallel
 from megatron_async.observability.logs import attach_log_file
 from megatron_async.run.preflight import preflight
-from megatron_async.run.checkpoint import CheckpointSaveError
+from megatron_async.run.checkpoint import CheckpointSaveError, latest_checkpoint
 from megatron_async.run.run_lock import RunLock
 from megatron_async.run.stop import Stopped, StopSignals, exit_status, resume_command, run_forwarding_signals, stop_at_once
 from megatron_async.run.torchrun import torchrun_args
@@ -97,4 +96,5 @@ def _launch(cfg: Config, config_path: str, overrides: list[str], ranks: int, rel
         ended = e
     finally:
         stop.uninstall()
-    return exit_status(ended, cfg, resume_command(config_path, overrides), relaunched=os.environ.get(CHECKED_ENV) == "1")
+    last = latest_checkpoint(cfg) if ended is not None else None
+    return exit_status(ended, cfg, resume_command(config_path, overrides), os.environ.get(CHECKED_ENV) == "1", last)

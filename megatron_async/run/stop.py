@@ -54,7 +54,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_async.config import Config
-from megatron_async.run.checkpoint import CheckpointSaveError, latest_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -154,27 +153,28 @@ def stop_at_once(reason: str, unlink: Callable[[], int]) -> None:
 
 
 # -- the launcher's side ----------------------------------------------------------------------------
-def exit_status(ended: Stopped | KeyboardInterrupt | CheckpointSaveError | None, cfg: Config, resume: str,
-                relaunched: bool) -> int:
-    """A learner rank's exit status for how its run `ended` (None: every step ran); rank 0 says in
-    one line what was saved and how to continue (`resume`). `relaunched`: under this command's own
-    relaunch, whose launcher reports a stop (torchrun would call EXIT_REQUEUE a failure)."""
+def exit_status(ended: Stopped | KeyboardInterrupt | Exception | None, cfg: Config, resume: str,
+                relaunched: bool, last_checkpoint: Path | None) -> int:
+    """A learner rank's exit status for how its run `ended` (None: every step ran; an Exception: a
+    checkpoint save failed, on every rank); rank 0 says in one line what was saved
+    (`last_checkpoint`, the run's `latest`) and how to continue (`resume`). `relaunched`: under this
+    command's own relaunch, whose launcher reports a stop (torchrun would call EXIT_REQUEUE a failure)."""
     if ended is None:
         return 0
     if int(os.environ.get("RANK", 0)) == 0:
-        print(f"megatron-async: {_how_it_ended(ended, cfg, resume)}", file=sys.stderr)
+        print(f"megatron-async: {_how_it_ended(ended, cfg, resume, last_checkpoint)}", file=sys.stderr)
     if isinstance(ended, KeyboardInterrupt):
         return EXIT_INTERRUPTED
-    if isinstance(ended, CheckpointSaveError):
-        return 1
-    return 0 if relaunched else EXIT_REQUEUE
+    if isinstance(ended, Stopped):
+        return 0 if relaunched else EXIT_REQUEUE
+    return 1
 
 
-def _how_it_ended(ended: Stopped | KeyboardInterrupt | CheckpointSaveError, cfg: Config, resume: str) -> str:
+def _how_it_ended(ended: Stopped | KeyboardInterrupt | Exception, cfg: Config, resume: str,
+                  last: Path | None) -> str:
     if isinstance(ended, Stopped):
         return (f"stopped by {ended.signal} at step {ended.next_step} of {cfg.trainer.steps}; "
                 f"checkpoint {ended.checkpoint}; continue with: {resume}")
-    last = latest_checkpoint(cfg)
     if isinstance(ended, KeyboardInterrupt):
         saved = f"the last checkpoint is {last}" if last else "no checkpoint was saved yet"
         return f"interrupted (Ctrl-C); {saved}; continue with: {resume}"

@@ -249,7 +249,7 @@ class Trainer:
         if not ((t.checkpoint_every and next_step % t.checkpoint_every == 0) or next_step == t.steps):
             return None
         saved = self._checkpoint(next_step)
-        faults.crash_after_checkpoint(next_step, self.checkpoints)
+        faults.crash_after_checkpoint(next_step, self.checkpoints.wait)
         return saved
 
     def _checkpoint(self, next_step: int) -> Path:
