@@ -65,12 +65,27 @@ def require_vllm() -> None:
 
 def register() -> None:
     require_vllm()
+    allow_amx_tiles()
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     for transport, (module, cls) in ENGINE_CLASSES.items():
         name = weight_engine(transport)
         if name not in WeightTransferEngineFactory._registry:  # vLLM may load plugins more than once
             WeightTransferEngineFactory.register_engine(name, module, cls)
+
+
+def allow_amx_tiles() -> None:
+    """On a CPU with AMX, ask Linux for this process's AMX tile state (a no-op elsewhere).
+
+    NOTE (vLLM 0.32 CPU): its bf16 kernels run AMX tile instructions without the permission Linux
+    requires first (arch_prctl ARCH_REQ_XCOMP_PERM); oneDNN asks at a process's first torch bf16
+    matmul, so a replica whose engine reached vLLM's kernels before any such matmul died of SIGILL
+    at its first generate (the tiny bf16 test model, offline or under ATEN_CPU_CAPABILITY=avx2).
+    `torch.cpu._init_amx` is torch's own request (what inductor calls); it runs here because vLLM
+    runs this plugin in every process before it builds an engine.
+    """
+    if torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()
 
 
 # ----------------------------------------------------------------------------- a replica's model

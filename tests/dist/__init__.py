@@ -25,7 +25,12 @@ def run_worker(script: str, *args, nproc: int = 1, timeout: int = 240) -> str:
                f"--master-port={free_port()}", str(WORKERS / script)]
     else:
         cmd = [sys.executable, str(WORKERS / script)]
-    proc = subprocess.run([*cmd, *map(str, args)], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run([*cmd, *map(str, args)], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:  # its output so far says where it stopped (bytes, even with text=True)
+        so_far = b"".join(part if isinstance(part, bytes) else part.encode() for part in (e.stdout, e.stderr) if part)
+        pytest.fail(f"{script} {' '.join(map(str, args))} (nproc={nproc}) still running after {timeout} s:\n"
+                    f"{so_far.decode(errors='replace')[-6000:]}")
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
         pytest.fail(f"{script} {' '.join(map(str, args))} (nproc={nproc}) exited {proc.returncode}:\n{out[-6000:]}")

@@ -34,6 +34,7 @@ LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (tp, pp) on 2 ranks
 ROUNDS = 3
 TRANSPORTS = ("shm", "http", "shm")  # per round
 PROMPT_LEN, NEW_TOKENS, N = 4, 12, 2
+GENERATE_TIMEOUT_S = 120  # a few seconds when a replica serves; a dead one fails the round, not the whole test's timeout
 
 
 def nll(logprobs, mb):
@@ -70,7 +71,8 @@ def sample_and_compare(ddp, pool, prompts: list[list[int]], seed: int) -> Sample
     payload: list[Any] = [None]
     records = None
     if dist.get_rank() == 0:
-        records = pool.generate(prompts, Sampling(n=N, max_tokens=NEW_TOKENS, ignore_eos=True, seed=seed))
+        records = pool.generate(prompts, Sampling(n=N, max_tokens=NEW_TOKENS, ignore_eos=True, seed=seed),
+                                timeout_s=GENERATE_TIMEOUT_S)
         payload = [[(list(r.prompt_token_ids) + list(r.token_ids), list(r.logprobs), r.policy_version) for r in records]]
     dist.broadcast_object_list(payload, src=0)
     seqs = [s for s, _, _ in payload[0]]
