@@ -9,6 +9,8 @@ re-sync makes the sender forget the re-synced replicas first; the tensors are al
 """
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import cast
 
 import pytest
@@ -216,3 +218,27 @@ def test_the_vllm_adapter_refuses_a_vllm_it_was_not_written_for():
     for other in ["0.33.0", "0.31.2", "1.0.0", "dev"]:
         with pytest.raises(VllmVersionError, match=rf"vLLM {other} is installed.*vllm=={series}\.0"):
             check_vllm_version(other)
+
+
+@pytest.mark.integration  # a fresh process
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="needs a CPU with AMX (amx_tile)")
+def test_the_vllm_plugin_gets_this_process_the_amx_tile_state():
+    """vLLM's CPU bf16 kernels run AMX tile instructions without asking Linux first: the plugin vLLM
+    runs in each of its processes asks (weights/vllm_plugin.allow_amx_tiles). Read back with
+    arch_prctl(ARCH_GET_XCOMP_PERM) in a fresh process, which has asked for nothing before."""
+    probe = """
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+SYS_arch_prctl, ARCH_GET_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1022, 18
+def granted():
+    mask = ctypes.c_ulong(0)
+    assert libc.syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) == 0, ctypes.get_errno()
+    return bool(mask.value >> XFEATURE_XTILEDATA & 1)
+from megatron_async.weights.vllm_plugin import allow_amx_tiles
+before = granted()
+allow_amx_tiles()
+print(before, granted())
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True"], out.stdout
