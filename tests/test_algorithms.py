@@ -110,10 +110,28 @@ def test_rloo_advantages_use_kl_regularised_rewards():
     rows = [sample(0, 1.0, lp=-1.0), sample(0, 0.0, lp=-1.0)]
     rloo = algo("rloo", beta=0.5)
     mbs = rloo.microbatches(rows, pad_id=0, micro_batch_size=4)
-    # KL = 3 tokens x 0.1
-    rloo.prepare([mbs], FixedModels(reference=[mbs[0]["gen_logprobs"] - 0.1 * mbs[0]["loss_mask"]]), K)
-    r = [1.0 - 0.5 * 0.3, 0.0 - 0.5 * 0.3]
+    policy = torch.tensor([[0, 0, -1.0, -1.0, -1.0], [0, 0, -2.0, -2.0, -2.0]])[:, :mbs[0]["loss_mask"].shape[1]]
+    # KL of the learner's policy to the reference: row 0 3 tokens x 0.1, row 1 3 x 0.2
+    reference = policy - torch.tensor([[0.1], [0.2]]) * mbs[0]["loss_mask"]
+    stats = rloo.prepare([mbs], FixedModels(reference=[reference], policy=[policy]), K)
+    r = [1.0 - 0.5 * 0.3, 0.0 - 0.5 * 0.6]
     assert mbs[0]["advantages"].tolist() == pytest.approx([r[0] - r[1], r[1] - r[0]])  # one group: no padding
+    assert float(stats["rloo/kl"]) == pytest.approx(0.45)
+
+
+@pytest.mark.parametrize("algorithm", ["rloo", "proximal_rloo", "ppo"])
+def test_the_kl_in_the_reward_is_the_learners_not_the_generators(algorithm):
+    """Before the first update the learner's policy is its reference, so the KL in the reward is 0,
+    whatever vLLM's logprobs (another engine's numerics: bf16 SmolLM2 differed by ~0.03 a token)."""
+    rows = [sample(0, 0.0, lp=-1.0), sample(0, 0.0, lp=-1.7)]  # a group of equal scores
+    alg = algo(algorithm, beta=0.5)
+    mbs = alg.microbatches(rows, pad_id=0, micro_batch_size=4)
+    learner = [-torch.rand(mbs[0]["input_ids"].shape, generator=torch.Generator().manual_seed(0))]
+    alg.prepare([mbs], FixedModels(reference=learner, policy=learner), K)
+    if algorithm == "ppo":  # the KL-shaped per-token rewards are 0, so are the raw advantages over V_old = 0
+        assert mbs[0]["returns"].abs().max().item() == 0
+    else:
+        assert mbs[0]["advantages"].abs().max().item() == 0
 
 
 def with_padding_row(mb: Microbatch) -> Microbatch:
@@ -127,21 +145,22 @@ def with_padding_row(mb: Microbatch) -> Microbatch:
 def ppo_microbatch():
     """One group of K=2 (rewards 1 and 0) in a microbatch of 3 rows: row 2 is padding (a copy of row 0).
 
-    Columns: 2 prompt tokens, then completion tokens (row 0: 2, row 1: 1). gen - ref logprob is 0.5
-    on row 0's first completion token, 0 elsewhere; V_old is 9 off the completion mask (ignored).
+    Columns: 2 prompt tokens, then completion tokens (row 0: 2, row 1: 1). The learner's old - ref
+    logprob is 0.5 on row 0's first completion token, 0 elsewhere; V_old is 9 off the completion mask
+    (ignored).
     """
     ppo = algo("ppo", beta=0.2)
     rows, _ = ppo.select([sample(0, 1.0, n_completion=2, lp=-1.0), sample(0, 0.0, n_completion=1, lp=-0.5)], K)
     (mb,) = ppo.microbatches(rows, pad_id=0, micro_batch_size=3)  # 2 rows: `microbatches` pads none
     mb = with_padding_row(mb)
     attach([mb], "ref_logprobs", [torch.tensor([[0, 0, -1.5, -1.0], [0, 0, -0.5, 0], [0, 0, -1.5, -1.0]])])
+    attach([mb], "old_logprobs", [torch.tensor([[0, 0, -1, -1], [0, 0, -0.5, 0], [0, 0, -1, -1.0]])])
     attach([mb], "old_values", [torch.tensor([[9, 9, 0.5, 0.8], [9, 9, 0.2, 9], [9, 9, 0.5, 0.8]])])
     return mb
 
 
 def test_ppo_rewards_gae_and_whitening_match_hand_computation():
     mb = ppo_microbatch()
-    assert mb["gen_logprobs"].tolist() == [[0, 0, -1, -1], [0, 0, -0.5, 0], [0, 0, -1, -1]]
     metrics = ppo_algo(beta=0.2, gamma=0.9, lam=0.5).add_advantages([mb])
     # rewards: row 0 [-0.2 * 0.5, 0 + score 1] = [-0.1, 1.0]; row 1 [0 + score 0]
     # row 0: A3 = 1.0 - 0.8 = 0.2;  A2 = (-0.1 + 0.9 * 0.8 - 0.5) + 0.9 * 0.5 * 0.2 = 0.12 + 0.09 = 0.21
@@ -165,8 +184,7 @@ def test_ppo_loss_fns_use_old_logprobs_values_and_real_rows_only():
     mb = ppo_microbatch()
     ppo = ppo_algo(beta=0.2, gamma=0.9, lam=0.5, clip_eps=0.2, vf_coef=0.1)
     ppo.add_advantages([mb])
-    attach([mb], "old_logprobs", [mb["gen_logprobs"] - 0.05 * mb["loss_mask"]])
-    new = mb["gen_logprobs"] + 0.3 * mb["loss_mask"]  # ratio e^0.35: clipped where A > 0
+    new = mb["old_logprobs"] + 0.35 * mb["loss_mask"]  # ratio e^0.35: clipped where A > 0
     loss, m = ppo.loss(new, mb)
     want, _ = ppo_policy_loss(new[:2], mb["old_logprobs"][:2], mb["advantages"][:2], mb["loss_mask"][:2], 0.2)
     assert loss.item() == pytest.approx(want.item() * mb["loss_scale"].item())
@@ -176,13 +194,6 @@ def test_ppo_loss_fns_use_old_logprobs_values_and_real_rows_only():
     vwant, _ = ppo_value_loss(values[:2], mb["old_values"][:2], mb["returns"][:2], mb["loss_mask"][:2], 0.2)
     assert vloss.item() == pytest.approx(0.1 * vwant.item() * mb["loss_scale"].item())
     assert set(vm) == {"loss/value", "value/clipfrac", "value/mean"}
-
-
-def test_ppo_needs_the_generating_policys_logprobs():
-    mb = ppo_microbatch()
-    del mb["gen_logprobs"]
-    with pytest.raises(ValueError, match="trainer.algorithm=ppo"):
-        ppo_algo(beta=0.2, gamma=0.9, lam=0.5).add_advantages([mb])
 
 
 def test_values_are_aligned_with_logprobs():

@@ -11,6 +11,11 @@ what a37dd73, whose CI passed the c8038ad values, gives with the same worker. A 
 learner's hot path must keep them to float tolerance (summation order may differ: rel 1e-4; the KL
 to the reference, a mean of small differences of logprobs, to 5e-6 absolute: the attention
 kernel's rounding moves it by ~6e-7).
+
+RLOO's values were re-recorded when the KL in its reward moved from the generator's logprobs to the
+learner's (algorithms/rloo.py): the batches' synthetic generator logprobs are 4.4 nats a token from
+the learner's (`staleness/kl_k3_mean`), and that gap had been in the reward (grad norm 0.91, now
+0.076). The other algorithms' values are unchanged.
 """
 from __future__ import annotations
 
@@ -36,13 +41,13 @@ RECORDED = {
          "staleness/kl_k3_mean": 4.410757541656494, "staleness/iw_max": 0.03134194761514664},
         {"train/loss": 0.0001421858905814588, "train/grad_norm": 0.005096532448115798, "kl/ref": 0.008828848600387573,
          "staleness/kl_k3_mean": 4.420482158660889, "staleness/iw_max": 0.03237510472536087}],
-    "rloo": [
-        {"train/loss": -1.2335436344146729, "train/grad_norm": 0.9106700576599941, "kl/ref": 0.0,
+    "rloo": [  # re-recorded at the KL-in-the-reward change (module docstring)
+        {"train/loss": 0.041699089109897614, "train/grad_norm": 0.07636635053034527, "kl/ref": 0.0,
          "staleness/kl_k3_mean": 4.424890041351318, "staleness/iw_max": 0.028923694044351578},
-        {"train/loss": -1.0524646043777466, "train/grad_norm": 0.9233387140663535, "kl/ref": -0.01715664565563202,
-         "staleness/kl_k3_mean": 4.4116082191467285, "staleness/iw_max": 0.03222963213920593},
-        {"train/loss": -1.0381650924682617, "train/grad_norm": 0.8290673059007154, "kl/ref": -0.021193549036979675,
-         "staleness/kl_k3_mean": 4.421315670013428, "staleness/iw_max": 0.03419128805398941}],
+        {"train/loss": 0.023815959692001343, "train/grad_norm": 0.08212783214034541, "kl/ref": 0.010979220271110535,
+         "staleness/kl_k3_mean": 4.410816192626953, "staleness/iw_max": 0.031377509236335754},
+        {"train/loss": -0.017813540995121002, "train/grad_norm": 0.07745935765962349, "kl/ref": 0.011628367006778717,
+         "staleness/kl_k3_mean": 4.420403957366943, "staleness/iw_max": 0.032297130674123764}],
 }
 
 

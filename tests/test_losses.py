@@ -74,10 +74,10 @@ def test_dpo_rejects_bad_options():
 
 
 def test_kl_penalized_rewards_puts_score_on_last_completion_token():
-    gen = T([[-1.0, -1.0, -2.0, -7.0], [-1.0, -0.5, -0.5, -1.0]])
+    policy = T([[-1.0, -1.0, -2.0, -7.0], [-1.0, -0.5, -0.5, -1.0]])
     ref = T([[-1.0, -1.5, -1.0, -1.0], [-1.0, -1.0, -1.0, -2.0]])
     mask = T([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0]])
-    r = kl_penalized_rewards(T([1.0, 2.0]), gen, ref, mask, kl_coef=0.1)
+    r = kl_penalized_rewards(T([1.0, 2.0]), policy, ref, mask, kl_coef=0.1)
     expected = [
         [0.0, -0.1 * 0.5, -0.1 * -1.0 + 1.0, 0.0],
         [0.0, -0.1 * 0.5, -0.1 * 0.5, -0.1 * 1.0 + 2.0],

@@ -1,9 +1,10 @@
 """PPO with a value model (TRL's PPOv2, as the paper).
 
 Complete groups of K (only to keep DP shards and minibatches aligned with the other algorithms;
-PPO itself needs no groups). Per token, reward r_t = -beta * (log pi_gen - log ref) with the score
-added at the last completion token; the KL uses the GENERATING policy's (vLLM's) logprobs, so the
-reward is fixed for the whole update. V_old from the value model (`learner/value.py`: the policy's
+PPO itself needs no groups). Per token, reward r_t = -beta * (log pi_old - log ref) with the score
+added at the last completion token; pi_old is the learner before the update (below), so the KL is
+the learner's kernels on both sides (0 before the first update; vLLM's logprobs would add the two
+engines' numerics, algorithms/rloo.py says how much) and the reward is fixed for the whole update. V_old from the value model (`learner/value.py`: the policy's
 initial weights or the reward model, a scalar head), GAE (`trainer.gamma`, `trainer.lam`) ->
 advantages and returns; advantages whitened over all completion tokens of this DP rank's share of
 the batch (TRL whitens per process), returns not. "Old" logprobs for the ratio are the LEARNER's,
@@ -68,19 +69,16 @@ class PPO(Algorithm):
     def add_advantages(self, mbs: list[Microbatch]) -> dict[str, torch.Tensor]:
         """Advantages and returns from KL-shaped per-token rewards and GAE over V_old.
 
-        Needs `ref_logprobs`, `gen_logprobs` and `old_values` in each microbatch; adds `advantages`
+        Needs `ref_logprobs`, `old_logprobs` and `old_values` in each microbatch; adds `advantages`
         (whitened over every completion token of the real rows of ALL the given microbatches, 0
         elsewhere) and `returns` (advantages + V_old, before whitening). Returns batch statistics.
         """
-        if any("gen_logprobs" not in mb for mb in mbs):
-            raise ValueError("trainer.algorithm=ppo: the KL-shaped reward needs the generating policy's logprobs, "
-                             "and some samples came without them")
         c = self.cfg
         tokens = []  # per microbatch: [b, s], 1 on completion tokens of real rows
         advantages, returns_of = [], []
         for mb in mbs:
             mask = mb["loss_mask"]
-            rewards = kl_penalized_rewards(mb["rewards"], mb["gen_logprobs"], mb["ref_logprobs"], mask, c.beta)
+            rewards = kl_penalized_rewards(mb["rewards"], mb["old_logprobs"], mb["ref_logprobs"], mask, c.beta)
             adv, ret = gae(rewards, mb["old_values"], mask, c.gamma, c.lam)
             advantages.append(adv)
             returns_of.append(ret)
@@ -96,7 +94,7 @@ class PPO(Algorithm):
         attach(mbs, "advantages", [w.view_as(a) for w, a in zip(white, advantages)])
         returns, values = flat(returns_of), flat([mb["old_values"] for mb in mbs])
         residual = returns - values
-        kl = torch.cat([sequence_kl(mb["gen_logprobs"], mb["ref_logprobs"], mb["loss_mask"])[:mb["real_rows"]]
+        kl = torch.cat([sequence_kl(mb["old_logprobs"], mb["ref_logprobs"], mb["loss_mask"])[:mb["real_rows"]]
                         for mb in mbs])
         return {"ppo/kl": kl.mean(), "ppo/advantage_raw_mean": masked_mean(raw_advantages, on),
                 "ppo/return_mean": masked_mean(returns, on), "ppo/value_old_mean": masked_mean(values, on),

@@ -2,7 +2,7 @@
 
 Follows the paper's PPO (TRL's PPOv2, itself after Ziegler et al. 2019 and Huang et al. 2024,
 "The N+ implementation details of RLHF with PPO"):
-- per-token reward r_t = -kl_coef * (log pi_gen(a_t) - log ref(a_t)), plus the scalar score of the
+- per-token reward r_t = -kl_coef * (log pi_old(a_t) - log ref(a_t)), plus the scalar score of the
   whole completion at its LAST completion token;
 - advantages by GAE over the completion tokens (the prompt is the initial state, no reward);
 - the clipped surrogate on the per-token ratio pi_theta / pi_old, and a clipped value loss;
@@ -31,17 +31,17 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
 
 def kl_penalized_rewards(
     scores: torch.Tensor,
-    gen_logprobs: torch.Tensor,
+    policy_logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
     mask: torch.Tensor,
     kl_coef: float,
 ) -> torch.Tensor:
     """[B] scores + [B, T] logprobs -> [B, T] per-token rewards (0 off the completion mask).
 
-    The KL term uses the GENERATING policy's logprobs (the samples' own distribution), so the
-    reward is fixed for the whole update, as in TRL.
+    The KL term's policy logprobs are the learner's before the update (fixed for the whole update,
+    as in TRL, and from the reference's kernels: algorithms/ppo.py).
     """
-    rewards = -kl_coef * (gen_logprobs - ref_logprobs) * mask
+    rewards = -kl_coef * (policy_logprobs - ref_logprobs) * mask
     last = last_token_index(mask)
     rewards[torch.arange(rewards.shape[0]), last] += scores.to(rewards.dtype)
     return rewards

@@ -6,7 +6,8 @@ action. With k completions y_1..y_k of one prompt and sequence rewards R_i,
     A_i = R_i - (1 / (k - 1)) * sum_{j != i} R_j          (leave-one-out baseline)
 
 R_i is the score with the KL to the reference folded in at sequence level, as in TRL:
-R_i = score_i - kl_coef * sequence_kl(gen_logprobs, ref_logprobs, mask)_i; the caller builds it
+R_i = score_i - kl_coef * sequence_kl(old_logprobs, ref_logprobs, mask)_i, the learner's logprobs
+before the update against the reference's (algorithms/rloo.py says why not vLLM's); the caller builds it
 (see `common.sequence_kl`), so this module stays agnostic of where the score came from.
 
 - `rloo_loss`: plain REINFORCE, loss = -mean_i A_i * log pi_theta(y_i). On-policy: no correction
