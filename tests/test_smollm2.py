@@ -105,7 +105,7 @@ def two_seeded_rl_steps(config: str, exported: Path, out_dir: Path, *data: str) 
     assert "Transformer Engine" not in proc.stderr and "OptimizerConfig(" not in proc.stderr  # the quiet console
     log = (run_dir / "train.log").read_text()
     assert "Transformer Engine" in log
-    assert re.search(r"replicas: .*, (float32|bfloat16) \(auto: ", log)  # model.dtype=auto: resolved and logged
+    assert re.search(r"replicas: .*, (float32|bfloat16) \((auto: |model\.dtype\))", log)  # the dtype and its reason
 
 
 @pytest.mark.integration
