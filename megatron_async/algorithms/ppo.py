@@ -1,19 +1,19 @@
 """PPO with a value model (TRL's PPOv2, as the paper).
 
-Complete groups of K (only to keep DP shards and minibatches aligned with the other algorithms;
-PPO itself needs no groups). Per token, reward r_t = -beta * (log pi_old - log ref) with the score
-added at the last completion token; pi_old is the learner before the update (below), so the KL is
-the learner's kernels on both sides (0 before the first update; vLLM's logprobs would add the two
-engines' numerics, algorithms/rloo.py says how much) and the reward is fixed for the whole update. V_old from the value model (`learner/value.py`: the policy's
-initial weights or the reward model, a scalar head), GAE (`trainer.gamma`, `trainer.lam`) ->
-advantages and returns; advantages whitened over all completion tokens of this DP rank's share of
-the batch (TRL whitens per process), returns not. "Old" logprobs for the ratio are the LEARNER's,
-recomputed before the update's first optimizer step (classic PPO, as TRL; the generation lag is
-not importance-corrected, proximal_rloo does that). Policy: clipped surrogate (`trainer.clip_eps`),
-token-mean per microbatch. Value model: its own optimizer step on `trainer.vf_coef` x the clipped
-value loss (clip range `clip_eps`) on the same microbatches right after each policy step. vf_coef
-only scales the value gradients (TRL sums both losses under one optimizer); under Adam it matters
-through gradient clipping.
+Complete groups of K (only to keep DP shards and minibatches aligned with the other algorithms; PPO
+itself needs no groups). Per token, reward r_t = -beta * (log pi_old - log ref) with the score added
+at the last completion token; pi_old is the learner before the update (below), so the KL is the
+learner's kernels on both sides (0 before the first update; vLLM's logprobs would add the two
+engines' numerics: algorithms/rloo.py) and the reward is fixed for the whole update. V_old from the
+value model (`learner/value.py`: the policy's initial weights or the reward model, a scalar head),
+GAE (`trainer.gamma`, `trainer.lam`) -> advantages and returns; advantages whitened over all
+completion tokens of this DP rank's share of the batch (TRL whitens per process), returns not. "Old"
+logprobs for the ratio are the LEARNER's, recomputed before the update's first optimizer step
+(classic PPO, as TRL; the generation lag is not importance-corrected, proximal_rloo does that).
+Policy: clipped surrogate (`trainer.clip_eps`), token-mean per microbatch. Value model: its own
+optimizer step on `trainer.vf_coef` x the clipped value loss (clip range `clip_eps`) on the same
+microbatches right after each policy step. vf_coef only scales the value gradients (TRL sums both
+losses under one optimizer); under Adam it matters through gradient clipping.
 """
 from __future__ import annotations
 

@@ -7,9 +7,9 @@ reference's, both from the learner's kernels; leave-one-out advantages over the 
 
 Why not the generator's (vLLM's) logprobs, which come free with the sample: they differ from the
 learner's by the two engines' numerics, and the KL then is not 0 before the first update (bf16
-SmolLM2, measured in docs/real-models.md). Leave-one-out
-turns that noise into advantages on every group whose scores are all equal, so a step without one
-right sample still moved the policy, and with the clip at 1.0 as far as a step with signal. The
+SmolLM2, measured in docs/real-models.md). Leave-one-out turns that noise into advantages on every
+group whose scores are all equal, so a step without one right sample still moved the policy, and
+with the clip at 1.0 as far as a step with signal. The
 learner's own logprobs are what TRL, OpenRLHF and verl put in the reward too. They cost nothing
 extra under the async default (the correction's weights read them); with `beta: 0` they are not
 computed.
