@@ -27,7 +27,8 @@ three can never disagree. Layouts (megatron-core 0.16, checked bit-exactly by th
   `lm_head.weight`, and `score.weight` [1, hidden] for the value head's weight (replicated over
   TP); the value head's bias has no HF tensor and is left as it is.
 
-Public API: `expected_hf_shapes`, `validate_hf_checkpoint`, `load_hf_weights`, `iter_hf_weights`.
+Public API: `expected_hf_shapes`, `validate_hf_checkpoint`, `load_hf_weights`, `load_hf_main_weights`,
+`iter_hf_weights`.
 """
 from __future__ import annotations
 
@@ -264,6 +265,46 @@ def load_hf_weights(model: LearnerModel, hf_dir: str | os.PathLike, score_head: 
     only its own HF tensors, builds this rank's shard and copies it in. `score_head`: a one-label
     sequence classifier into a value model (module docstring).
     """
+    for param, shard in _hf_shards(model, hf_dir, score_head):
+        param.copy_(shard)
+
+
+@torch.no_grad()
+def load_hf_main_weights(model: LearnerModel, optimizer, hf_dir: str | os.PathLike, score_head: bool = False) -> int:
+    """A mixed-precision learner's fp32 main weights from the checkpoint's own values; -> how many
+    parameters it set (0 for an fp32 learner, whose parameters are their main weights).
+
+    megatron makes the main weights from the bf16 parameters, so from a checkpoint with more
+    precision (SmolLM2's export is fp32) they start rounded onto the bf16 grid. The bf16 copy the
+    forward reads then changes only once an element has moved half a bf16 step the same way: at lr
+    1e-5 about 24 Adam steps for a weight of 0.1, longer than the SmolLM2 recipe, whose bf16 learner
+    realized 0-1.3% of its updates per step (docs/real-models.md). From the checkpoint's values
+    the rounding boundaries lie anywhere in a step's reach, and the bf16 copy follows the main
+    weights in expectation from the first step. For a checkpoint stored in bf16 (LLaMA's) the two
+    are the same. Call after `build_optimizer` (`optimizer` is its ChainedOptimizer); with the
+    DistributedOptimizer each rank sets its own shard of each main weight.
+    """
+    ranges = {}  # param -> its shard's range in the flattened parameter (the DistributedOptimizer)
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(opt, "_get_model_param_range_map"):
+            for group in opt.model_float16_groups:
+                for param in group:
+                    ranges[param] = opt._get_model_param_range_map(param)["param"]
+    count = 0
+    for param, shard in _hf_shards(model, hf_dir, score_head):
+        main = getattr(param, "main_param", None)
+        if main is None or main is param:
+            continue
+        if param in ranges:
+            shard = shard.reshape(-1)[ranges[param].start:ranges[param].end]
+        main.copy_(shard.reshape(main.shape))
+        count += 1
+    return count
+
+
+def _hf_shards(model: LearnerModel, hf_dir: str | os.PathLike, score_head: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(parameter, this rank's shard of it as the checkpoint stores it) for every parameter of this
+    rank's chunks, after checking names and shapes (`load_hf_weights`)."""
     hf_dir = Path(hf_dir)
     arch = model.arch
     if read_arch(hf_dir) != arch:
@@ -281,7 +322,7 @@ def load_hf_weights(model: LearnerModel, hf_dir: str | os.PathLike, score_head: 
             if shard.shape != param.shape:
                 raise ValueError(f"{mname}: shard built from {[prefix + s for s in rule.hf]} has shape "
                                  f"{list(shard.shape)}, the parameter has {list(param.shape)}")
-            param.copy_(shard)
+            yield param, shard
 
 
 @torch.no_grad()

@@ -23,7 +23,7 @@ from megatron_async.algorithms.base import Microbatch, attach
 from megatron_async.config import Config, ConfigError
 from megatron_async.learner.schedule import (LossFn, compute_logprobs, compute_values, microbatch_seq_multiple, recording,
                                              share_with_pipeline)
-from megatron_async.learner.mapping import load_hf_weights
+from megatron_async.learner.mapping import load_hf_main_weights, load_hf_weights
 from megatron_async.learner.model import LearnerModel, build_model, read_arch
 from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
 from megatron_async.learner.parallel import ParallelLayout
@@ -105,7 +105,9 @@ class LearnerState:
             value_lr = t.value_lr or t.lr  # the policy's schedule shape, scaled to value_lr
             value = Trainable(*build_optimizer(value_model, dataclasses.replace(settings, lr=value_lr,
                                                                            min_lr=t.min_lr * value_lr / t.lr)))
-        return cls(cfg, layout, algorithm, Trainable(*build_optimizer(policy, settings)), reference, value, pad_id)
+        trainable = Trainable(*build_optimizer(policy, settings))
+        load_hf_main_weights(trainable.model, trainable.optimizer, init_model)  # bf16: not rounded first
+        return cls(cfg, layout, algorithm, trainable, reference, value, pad_id)
 
     # -- algorithms.LearnerModels: the forward passes a batch's preparation asks for ---------------
     def reference_logprobs(self, microbatches: list[Microbatch]) -> list[torch.Tensor]:

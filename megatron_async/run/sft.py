@@ -18,7 +18,7 @@ from megatron_async.algorithms.best_of_k_sft import BestOfKSFT
 from megatron_async.config import Config
 from megatron_async.data import PromptIterator, load_train_prompts
 from megatron_async.learner.hf_export import export_hf
-from megatron_async.learner.mapping import load_hf_weights
+from megatron_async.learner.mapping import load_hf_main_weights, load_hf_weights
 from megatron_async.learner.model import build_model
 from megatron_async.learner.optimizer import OptimSettings, build_optimizer, train_step
 from megatron_async.learner.parallel import ParallelLayout
@@ -58,6 +58,7 @@ def run_sft(cfg: Config, plan: RunPlan, base: Path, tokenizer, layout: ParallelL
     settings = OptimSettings(lr=s.lr, min_lr=s.lr / 10, clip_grad=1.0, warmup_steps=min(20, s.steps // 10),
                              decay_steps=max(1, s.steps - min(20, s.steps // 10)), decay_style="cosine")
     policy, optimizer, scheduler = build_optimizer(model, settings)
+    load_hf_main_weights(policy, optimizer, base)  # bf16: not rounded first
     prompts, _ = load_train_prompts(cfg, tokenizer)
     data = PromptIterator(prompts, seed=cfg.run.seed + 1)
     nll = BestOfKSFT(cfg.trainer)  # its loss and microbatching; no reference model (no KL term)

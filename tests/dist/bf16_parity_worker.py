@@ -126,6 +126,30 @@ def compare(a_now, a_before, b_now, b_before, start) -> dict:
             "update_norm_ratio": (da.norm() / db.norm()).item()}
 
 
+def start_from_fp32_checkpoint(run_dir: Path, model_dir: Path, vocab: int, pad_id: int, layout, first_seed: int) -> dict:
+    """A bf16 learner built from the checkpoint before its rounding (tiny's init is fp32, as SmolLM2's
+    export): are its main weights the checkpoint's values, its bf16 copy their rounding, and what
+    fraction of the copy its first RLOO step changes (the on-grid start's: `run`'s step 0)."""
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "cpu_tiny.yaml",
+                      [f"run.out_dir={run_dir / 'fp32_checkpoint'}", "trainer.algorithm=rloo", "model.dtype=bfloat16",
+                       *SETTINGS])
+    learner = LearnerState.build(cfg, build_plan(cfg), model_dir, layout, pad_id)
+    checkpoint = {name: t for path in model_dir.glob("*.safetensors") for name, t in load_file(path).items()}
+    main, copy = main_weights(learner), model_weights(learner)
+    # tiny's megatron names -> its HF tensors, for the parameters that are one HF tensor each
+    pairs = {"embedding.word_embeddings.weight": "model.embed_tokens.weight", "decoder.final_layernorm.weight": "model.norm.weight",
+             "decoder.layers.0.mlp.linear_fc2.weight": "model.layers.0.mlp.down_proj.weight",
+             "decoder.layers.0.self_attention.linear_proj.weight": "model.layers.0.self_attn.o_proj.weight"}
+    exact = [n for n, hf in pairs.items() if not torch.equal(checkpoint[hf], checkpoint[hf].bfloat16().float())]
+    learner.step(synthetic_batch(vocab, 16, 4, PROMPT_TOKENS["tiny"], 48, seed=first_seed), 0, updates=1)
+    after = model_weights(learner)
+    return {"not_bf16_exact": exact,
+            "main_is_checkpoint": all(torch.equal(main[n][:checkpoint[hf].shape[0]], checkpoint[hf]) for n, hf in pairs.items()),
+            "copy_is_rounded_checkpoint": all(torch.equal(copy[n][:checkpoint[hf].shape[0]], checkpoint[hf].bfloat16())
+                                              for n, hf in pairs.items()),
+            "copy_changed_fraction": sum((after[n] != copy[n]).sum().item() for n in copy) / sum(t.numel() for t in copy.values())}
+
+
 def run(algorithm: str, run_dir: Path, model_dir: Path, vocab: int, pad_id: int, layout, first_seed: int) -> list[dict]:
     learners = {}
     for name, dtype in PRECISIONS.items():
@@ -173,8 +197,9 @@ if __name__ == "__main__":
     model_dir = run_dir / "base_model"
     build_tiny_llama(model_dir, build_tokenizer(default_corpus(), model_dir, vocab_size=1024), tiny_spec(base.model),
                      seed=base.run.seed)
-    bf16_start(model_dir)
     tokenizer = load_tokenizer(model_dir)
-    result = {algorithm: run(algorithm, run_dir, model_dir, len(tokenizer), tokenizer.pad_token_id, layout, first_seed)
+    from_fp32 = start_from_fp32_checkpoint(run_dir, model_dir, len(tokenizer), tokenizer.pad_token_id, layout, first_seed)
+    bf16_start(model_dir)
+    result = {"fp32_checkpoint": from_fp32} | {algorithm: run(algorithm, run_dir, model_dir, len(tokenizer), tokenizer.pad_token_id, layout, first_seed)
               for algorithm in ALGORITHMS}
     print("PARITY " + json.dumps(result))
