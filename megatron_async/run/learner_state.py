@@ -106,7 +106,8 @@ class LearnerState:
             value = Trainable(*build_optimizer(value_model, dataclasses.replace(settings, lr=value_lr,
                                                                            min_lr=t.min_lr * value_lr / t.lr)))
         trainable = Trainable(*build_optimizer(policy, settings))
-        load_hf_main_weights(trainable.model, trainable.optimizer, init_model)  # bf16: not rounded first
+        if load_hf_main_weights(trainable.model, trainable.optimizer, init_model) and layout.rank == 0:
+            log.info("learner: fp32 main weights from %s's own values, not from their bf16 rounding", init_model)
         return cls(cfg, layout, algorithm, trainable, reference, value, pad_id)
 
     # -- algorithms.LearnerModels: the forward passes a batch's preparation asks for ---------------
