@@ -165,10 +165,11 @@ def test_the_summary_states_the_reach_of_each_claim_of_the_gpu_section(tmp_path)
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("mode", ["checkpoint", "export"])
+@pytest.mark.parametrize("mode", ["checkpoint", "export", "main_weights"])
 def test_gpu_worker_modes_run_on_cpu(tiny_ckpts, tmp_path, mode):
-    """tests/dist/gpu_worker.py's checkpoint and export modes (run on CUDA by tests/test_gpu_learner.py)
-    on CPU: fp32, the plain optimizer, gloo."""
+    """tests/dist/gpu_worker.py's checkpoint, export and main_weights modes (run on CUDA by
+    tests/test_gpu_learner.py) on CPU: the plain optimizer (main_weights: its bf16 form, megatron's
+    Float16OptimizerWithFloat16Params), fp32 otherwise, gloo."""
     out = tmp_path / f"{mode}.json"
     run_worker("gpu_worker.py", mode, out, tiny_ckpts["gqa"])
     r = json.loads(out.read_text())
@@ -176,9 +177,12 @@ def test_gpu_worker_modes_run_on_cpu(tiny_ckpts, tmp_path, mode):
     if mode == "checkpoint":
         assert r["extra"] == {"step": 1} and r["same_names"] and r["lr_resumed"] == r["lr_saved_run"]
         assert r["loss_resumed"] == r["loss_saved_run"] and r["weight_max_diff"] == 0.0
-    else:
+    elif mode == "export":
         assert r["names_match"] and r["weights_equal_source_in_model_dtype"] and r["tokenizer_copied"]
         assert r["config_dtype"] == "float32" and r["logit_max_diff"] < 1e-4
+    else:
+        assert r["optimizer"] == "Float16OptimizerWithFloat16Params" and not r["sharded"]
+        assert r["set"] == r["main_params"] > 0 and r["not_bf16_exact"] > 0 and r["main_equal_checkpoint"]
 
 
 @pytest.mark.integration

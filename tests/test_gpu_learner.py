@@ -84,6 +84,14 @@ def test_checkpoint_round_trip_with_distributed_optimizer(tiny_ckpts, tmp_path):
     assert r["weight_max_diff"] < 1e-6  # Adam moments restored: same update
 
 
+def test_main_weights_from_the_checkpoints_values_with_distributed_optimizer(tiny_ckpts, tmp_path):
+    """learner.mapping.load_hf_main_weights on the DistributedOptimizer: each rank's fp32 shard of each
+    main weight is the checkpoint's value, not its bf16 rounding (tiny's init is fp32)."""
+    r = _result(tmp_path, "main_weights", tiny_ckpts["gqa"])
+    assert r["optimizer"] == "DistributedOptimizer" and r["sharded"]
+    assert r["set"] == r["main_params"] > 0 and r["not_bf16_exact"] > 0 and r["main_equal_checkpoint"]
+
+
 def test_hf_export_from_cuda(tiny_ckpts, tmp_path):
     r = _result(tmp_path, "export", tiny_ckpts["gqa"])
     assert r["model_dtype"] == "torch.bfloat16" and r["config_dtype"] == "bfloat16"

@@ -4,9 +4,11 @@
     torchrun --nproc-per-node N tests/dist/gpu_worker.py train OUT.json HF_DIR --tp N
     python tests/dist/gpu_worker.py checkpoint OUT.json HF_DIR
     python tests/dist/gpu_worker.py export OUT.json HF_DIR
+    python tests/dist/gpu_worker.py main_weights OUT.json HF_DIR
 
-Every mode also runs on CPU (fp32, gloo: tests/test_gpu_check.py runs checkpoint and export there,
-so this file cannot rot between GPU runs); the GPU tests assert the CUDA specifics.
+Every mode also runs on CPU (gloo; fp32 but for main_weights: tests/test_gpu_check.py runs checkpoint,
+export and main_weights there, so this file cannot rot between GPU runs); the GPU tests assert the
+CUDA specifics.
 
 TF32: parity runs with torch's fp32 matmuls in IEEE fp32 (TF32 off, set here, recorded in the
 output). Transformer Engine's own GEMMs do not follow that switch (its cuBLASLt call asks for
@@ -117,6 +119,35 @@ def checkpoint(src: Path, work: Path) -> dict:
             "same_names": sorted(wa) == sorted(wb)}
 
 
+def main_weights(src: Path) -> dict:
+    """A bf16 learner from a checkpoint with more precision (tiny's fp32 init): after
+    `load_hf_main_weights` every fp32 main weight (on CUDA the DistributedOptimizer's shard of it) is
+    the checkpoint's value, which the fp32 learner holds in megatron's layout."""
+    from megatron_async.learner.mapping import load_hf_main_weights
+    from megatron_async.learner.model import unwrap_model
+    from megatron_async.learner.optimizer import OptimSettings, build_optimizer
+    from tests.dist._learner import loaded_model
+
+    exact = {n: p.detach().reshape(-1) for n, p in unwrap_model(loaded_model(src, torch.float32).chunks[0]).named_parameters()}
+    ddp, opt, _ = build_optimizer(loaded_model(src, torch.bfloat16), OptimSettings(lr=1e-3))
+    ranges = {}  # the DistributedOptimizer's shard of each parameter on this rank
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        if hasattr(o, "_get_model_param_range_map"):
+            ranges.update({p: o._get_model_param_range_map(p)["param"] for g in o.model_float16_groups for p in g})
+    count = load_hf_main_weights(ddp, opt, src)
+    equal, mains = [], 0
+    for name, param in unwrap_model(ddp.chunks[0]).named_parameters():
+        main = getattr(param, "main_param", None)
+        if main is None:
+            continue
+        mains += 1
+        want = exact[name][ranges[param].start:ranges[param].end] if param in ranges else exact[name]
+        equal.append(torch.equal(main.reshape(-1), want))
+    return {"optimizer": _optimizer_name(opt), "sharded": bool(ranges), "set": count, "main_params": mains,
+            "main_equal_checkpoint": bool(equal) and all(equal),
+            "not_bf16_exact": sum(not torch.equal(t, t.bfloat16().float()) for t in exact.values())}
+
+
 def export(src: Path, work: Path) -> dict:
     """A learner (bf16 on CUDA) written as an HF folder (`export_hf`), reloaded by transformers: the
     tensors are the loaded checkpoint's in the learner's dtype, and transformers' logits match ours."""
@@ -145,7 +176,7 @@ def export(src: Path, work: Path) -> dict:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["parity", "train", "checkpoint", "export"])
+    p.add_argument("mode", choices=["parity", "train", "checkpoint", "export", "main_weights"])
     p.add_argument("out", type=Path)
     p.add_argument("hf", type=Path)
     p.add_argument("--tp", type=int, default=1)
@@ -159,7 +190,8 @@ if __name__ == "__main__":
             shutil.rmtree(work, ignore_errors=True)
             work.mkdir(parents=True)
         result = {"parity": lambda: parity(a.hf), "train": lambda: train(a.hf),
-                  "checkpoint": lambda: checkpoint(a.hf, work), "export": lambda: export(a.hf, work)}[a.mode]()
+                  "checkpoint": lambda: checkpoint(a.hf, work), "export": lambda: export(a.hf, work),
+                  "main_weights": lambda: main_weights(a.hf)}[a.mode]()
         if layout.rank == 0:
             a.out.write_text(json.dumps({"backend": torch.distributed.get_backend(), **result}, indent=2))
     finally:
