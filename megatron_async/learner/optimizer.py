@@ -5,8 +5,10 @@ The model's dtype picks megatron's optimizer (`get_megatron_optimizer`, from the
 - bf16 params (GPU; CPU with `model.dtype: bfloat16`, or auto on AMX: run_plan.model_dtype): the
   mixed-precision `Float16OptimizerWithFloat16Params` (the `DistributedOptimizer` on GPU): fp32
   main weights that Adam steps and copies back to the bf16 params, fp32 Adam state, grads
-  reduced in fp32 (`grad_reduce_in_fp32`), no loss scaling (bf16). On CPU megatron-core refuses
-  bf16 params by their type's name; `cpu_shims` shows it the CUDA name (see `_cuda_type_names`).
+  reduced in fp32 (`grad_reduce_in_fp32`), no loss scaling (bf16). megatron makes the main weights
+  from the bf16 params; a fresh learner then sets them from its checkpoint's own values
+  (`learner.mapping.load_hf_main_weights`). On CPU megatron-core refuses bf16 params by their
+  type's name; `cpu_shims` shows it the CUDA name (see `_cuda_type_names`).
 GPU: the DistributedOptimizer (Adam state sharded over DP ranks); grad-reduce / param-gather
 overlap per `learner.perf`. CPU: the plain (non-distributed) optimizer.
 Gradients are clipped to `clip_grad` (global norm over all TP/PP/DP shards) before each step.
