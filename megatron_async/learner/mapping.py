@@ -276,11 +276,10 @@ def load_hf_main_weights(model: LearnerModel, optimizer, hf_dir: str | os.PathLi
 
     megatron makes the main weights from the bf16 parameters, so from a checkpoint with more
     precision (SmolLM2's export is fp32) they start rounded onto the bf16 grid. The bf16 copy the
-    forward reads then changes only once an element has moved half a bf16 step the same way: at lr
-    1e-5 about 24 Adam steps for a weight of 0.1, longer than the SmolLM2 recipe, whose bf16 learner
-    realized 0-1.3% of its updates per step (docs/real-models.md). From the checkpoint's values
-    the rounding boundaries lie anywhere in a step's reach, and the bf16 copy follows the main
-    weights in expectation from the first step. For a checkpoint stored in bf16 (LLaMA's) the two
+    forward reads then changes only once an element has moved half a bf16 step the same way, which
+    at a fine-tuning lr takes many steps (docs/real-models.md). From the checkpoint's values the
+    rounding boundaries lie anywhere in a step's reach, and the bf16 copy follows the main weights
+    in expectation from the first step. For a checkpoint stored in bf16 (LLaMA's) the two
     are the same. Call after `build_optimizer` (`optimizer` is its ChainedOptimizer); with the
     DistributedOptimizer each rank sets its own shard of each main weight.
     """
