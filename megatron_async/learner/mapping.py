@@ -270,7 +270,7 @@ def load_hf_weights(model: LearnerModel, hf_dir: str | os.PathLike, score_head: 
 
 
 @torch.no_grad()
-def load_hf_main_weights(model: LearnerModel, optimizer, hf_dir: str | os.PathLike, score_head: bool = False) -> int:
+def load_hf_main_weights(model: LearnerModel, optimizer, hf_dir: str | os.PathLike) -> int:
     """A mixed-precision learner's fp32 main weights from the checkpoint's own values; -> how many
     parameters it set (0 for an fp32 learner, whose parameters are their main weights).
 
@@ -283,6 +283,8 @@ def load_hf_main_weights(model: LearnerModel, optimizer, hf_dir: str | os.PathLi
     are the same. Call after `build_optimizer` (`optimizer` is its ChainedOptimizer); with the
     DistributedOptimizer each rank sets its own shard of each main weight.
     """
+    if not any(getattr(p, "main_param", None) is not None for chunk in model.chunks for p in chunk.parameters()):
+        return 0  # fp32: no second read of the checkpoint
     ranges = {}  # param -> its shard's range in the flattened parameter (the DistributedOptimizer)
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if hasattr(opt, "_get_model_param_range_map"):
@@ -290,9 +292,9 @@ def load_hf_main_weights(model: LearnerModel, optimizer, hf_dir: str | os.PathLi
                 for param in group:
                     ranges[param] = opt._get_model_param_range_map(param)["param"]
     count = 0
-    for param, shard in _hf_shards(model, hf_dir, score_head):
+    for param, shard in _hf_shards(model, hf_dir, score_head=False):
         main = getattr(param, "main_param", None)
-        if main is None or main is param:
+        if main is None:
             continue
         if param in ranges:
             shard = shard.reshape(-1)[ranges[param].start:ranges[param].end]
