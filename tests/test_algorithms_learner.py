@@ -114,12 +114,14 @@ def tiny_rm(tiny_ckpts, tmp_path_factory):
 
 
 def test_ppo_value_model_starts_from_the_reward_model(tiny_ckpts, tiny_rm, tmp_path):
-    """Trunk and head loaded right: V at each sequence's end is the RM's score of it (fp32, TP=1)."""
+    """Trunk and head loaded right: V at each sequence's end is the RM's score of it (fp32, TP=1);
+    in bf16 the value model's fp32 main weights are the RM's own values, not their bf16 rounding."""
     out = tmp_path / "values.json"
     run_worker("value_from_rm_worker.py", tiny_ckpts["gqa"], tiny_rm, out)
     r = json.loads(out.read_text())
     assert len(set(round(x, 3) for x in r["rm_scores"])) == 3 and max(map(abs, r["rm_scores"])) > 0.1  # not vacuous
     assert r["values"] == pytest.approx(r["rm_scores"], abs=1e-4)
+    assert r["rm_off_bf16_grid"] and r["bf16_main_is_rm"]  # not vacuous: rounding would change them
 
 
 def test_ppo_refuses_a_reward_model_it_cannot_start_the_value_model_from(tiny_ckpts, tiny_rm, tmp_path):

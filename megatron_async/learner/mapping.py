@@ -226,9 +226,10 @@ def validate_hf_checkpoint(hf_dir: str | os.PathLike, arch: LlamaArch | None = N
     return files
 
 
-def _named_rules(chunk, arch: LlamaArch, score_head: bool = False) -> Iterator[tuple[str, torch.nn.Parameter, Rule, str]]:
-    """(megatron name, param, rule, HF prefix) for every parameter of a model chunk (`score_head`:
-    its output layer is a value head, mapped to `score.weight`)."""
+def _named_rules(chunk, arch: LlamaArch, head: str = "lm") -> Iterator[tuple[str, torch.nn.Parameter, Rule, str]]:
+    """(megatron name, param, rule, HF prefix) for every parameter of a model chunk. `head`: "lm"
+    (the LM head, or the tied embedding); "score" (a value head, mapped to `score.weight`); "none"
+    (a value head no checkpoint holds: left out)."""
     model = _unwrap(chunk)
     layer_params = set()
     for layer in model.decoder.layers:
@@ -241,8 +242,8 @@ def _named_rules(chunk, arch: LlamaArch, score_head: bool = False) -> Iterator[t
     for name, param in model.named_parameters():
         if id(param) in layer_params:
             continue
-        if score_head and name.startswith("output_layer."):
-            if name == "output_layer.weight":
+        if head != "lm" and name.startswith("output_layer."):
+            if head == "score" and name == "output_layer.weight":
                 yield name, param, _SCORE_HEAD, ""
             continue  # output_layer.bias: the value head's own, no HF tensor
         if name not in TOP_RULES:
@@ -265,12 +266,12 @@ def load_hf_weights(model: LearnerModel, hf_dir: str | os.PathLike, score_head: 
     only its own HF tensors, builds this rank's shard and copies it in. `score_head`: a one-label
     sequence classifier into a value model (module docstring).
     """
-    for param, shard in _hf_shards(model, hf_dir, score_head):
+    for param, shard in _hf_shards(model, hf_dir, "score" if score_head else "lm"):
         param.copy_(shard)
 
 
 @torch.no_grad()
-def load_hf_main_weights(model: LearnerModel, optimizer, hf_dir: str | os.PathLike) -> int:
+def load_hf_main_weights(model: LearnerModel, optimizer, hf_dir: str | os.PathLike, score_head: bool = False) -> int:
     """A mixed-precision learner's fp32 main weights from the checkpoint's own values; -> how many
     parameters it set (0 for an fp32 learner, whose parameters are their main weights).
 
@@ -281,7 +282,9 @@ def load_hf_main_weights(model: LearnerModel, optimizer, hf_dir: str | os.PathLi
     rounding boundaries lie anywhere in a step's reach, and the bf16 copy follows the main weights
     in expectation from the first step. For a checkpoint stored in bf16 (LLaMA's) the two
     are the same. Call after `build_optimizer` (`optimizer` is its ChainedOptimizer); with the
-    DistributedOptimizer each rank sets its own shard of each main weight.
+    DistributedOptimizer each rank sets its own shard of each main weight. `score_head`: as for
+    `load_hf_weights`; a value model from the policy's checkpoint (`model.value_head`) has a zero
+    head that checkpoint does not hold, whose main weights are exact already: only its trunk's are set.
     """
     if not any(getattr(p, "main_param", None) is not None for chunk in model.chunks for p in chunk.parameters()):
         return 0  # fp32: no second read of the checkpoint
@@ -292,7 +295,8 @@ def load_hf_main_weights(model: LearnerModel, optimizer, hf_dir: str | os.PathLi
                 for param in group:
                     ranges[param] = opt._get_model_param_range_map(param)["param"]
     count = 0
-    for param, shard in _hf_shards(model, hf_dir, score_head=False):
+    head = "score" if score_head else "none" if model.value_head else "lm"
+    for param, shard in _hf_shards(model, hf_dir, head):
         main = getattr(param, "main_param", None)
         if main is None:
             continue
@@ -303,18 +307,19 @@ def load_hf_main_weights(model: LearnerModel, optimizer, hf_dir: str | os.PathLi
     return count
 
 
-def _hf_shards(model: LearnerModel, hf_dir: str | os.PathLike, score_head: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _hf_shards(model: LearnerModel, hf_dir: str | os.PathLike, head: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(parameter, this rank's shard of it as the checkpoint stores it) for every parameter of this
-    rank's chunks, after checking names and shapes (`load_hf_weights`)."""
+    rank's chunks the checkpoint holds (`head`: as for `_named_rules`), after checking names and
+    shapes (`load_hf_weights`)."""
     hf_dir = Path(hf_dir)
     arch = model.arch
     if read_arch(hf_dir) != arch:
         raise ValueError(f"{hf_dir}/config.json describes another architecture than the model:\n"
                          f"  checkpoint {read_arch(hf_dir)}\n  model      {arch}")
-    files = validate_hf_checkpoint(hf_dir, arch, score_head)
+    files = validate_hf_checkpoint(hf_dir, arch, score_head=head == "score")
     tp, rank, _ = _tp()
     for chunk in model.chunks:
-        for mname, param, rule, prefix in _named_rules(chunk, arch, score_head):
+        for mname, param, rule, prefix in _named_rules(chunk, arch, head):
             tensors = []
             for suffix in rule.hf:
                 with safe_open(str(files[prefix + suffix]), framework="pt") as fh:

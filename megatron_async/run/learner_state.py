@@ -99,15 +99,17 @@ class LearnerState:
             chunk.eval()
         value = None
         if algorithm.value_model:  # starts from the reward model if there is one, else the policy
-            value_model = build_value_model(cfg.reward.model_path if value_from_rm else init_model,
-                                       from_reward_model=value_from_rm, dtype=dtype, perf=perf, backend=backend,
-                                       make_vocab_size_divisible_by=vocab_pad, shapes_vary=shapes_vary)
+            value_init = cfg.reward.model_path if value_from_rm else init_model
+            value_model = build_value_model(value_init, from_reward_model=value_from_rm, dtype=dtype, perf=perf,
+                                            backend=backend, make_vocab_size_divisible_by=vocab_pad,
+                                            shapes_vary=shapes_vary)
             value_lr = t.value_lr or t.lr  # the policy's schedule shape, scaled to value_lr
             value = Trainable(*build_optimizer(value_model, dataclasses.replace(settings, lr=value_lr,
                                                                            min_lr=t.min_lr * value_lr / t.lr)))
+            load_hf_main_weights(value.model, value.optimizer, value_init, score_head=value_from_rm)
         trainable = Trainable(*build_optimizer(policy, settings))
         if load_hf_main_weights(trainable.model, trainable.optimizer, init_model) and layout.rank == 0:
-            log.info("learner: fp32 main weights from %s's own values, not from their bf16 rounding", init_model)
+            log.info("learner: fp32 main weights from the checkpoints' own values, not from their bf16 rounding")
         return cls(cfg, layout, algorithm, trainable, reference, value, pad_id)
 
     # -- algorithms.LearnerModels: the forward passes a batch's preparation asks for ---------------

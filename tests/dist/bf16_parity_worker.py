@@ -77,15 +77,17 @@ def round_to_bf16(learner: LearnerState) -> None:
                 p.register_hook(lambda g: g.bfloat16().float())
 
 
-def main_weights(learner: LearnerState) -> dict[str, torch.Tensor]:
-    """name -> the fp32 weights the optimizer steps (bf16: its main copies), copied."""
-    optimizer = learner.policy.optimizer
+def main_weights(learner: LearnerState, model: str = "policy") -> dict[str, torch.Tensor]:
+    """name -> the fp32 weights the optimizer steps (bf16: its main copies), copied, of the policy
+    or (`model="value"`) the value model."""
+    trainable = getattr(learner, model)
+    optimizer = trainable.optimizer
     main_of = {}
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         for model_group, main_group in zip(getattr(opt, "float16_groups", []), getattr(opt, "fp32_from_float16_groups", [])):
             main_of.update({id(p): m for p, m in zip(model_group, main_group)})
     return {name: main_of.get(id(p), p).detach().float().clone()
-            for name, p in unwrap_model(learner.policy.model.chunks[0]).named_parameters()}
+            for name, p in unwrap_model(trainable.model.chunks[0]).named_parameters()}
 
 
 def model_weights(learner: LearnerState) -> dict[str, torch.Tensor]:
@@ -129,7 +131,8 @@ def compare(a_now, a_before, b_now, b_before, start) -> dict:
 def start_from_fp32_checkpoint(run_dir: Path, model_dir: Path, vocab: int, pad_id: int, layout, first_seed: int) -> dict:
     """A bf16 learner built from the checkpoint before its rounding (tiny's init is fp32, as SmolLM2's
     export): are its main weights the checkpoint's values, its bf16 copy their rounding, and what
-    fraction of the copy its first RLOO step changes (the on-grid start's: `run`'s step 0)."""
+    fraction of the copy its first RLOO step changes (the on-grid start's: `run`'s step 0). And a
+    PPO learner's value model, from the same checkpoint: its trunk's main weights too."""
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "cpu_tiny.yaml",
                       [f"run.out_dir={run_dir / 'fp32_checkpoint'}", "trainer.algorithm=rloo", "model.dtype=bfloat16",
                        *SETTINGS])
@@ -141,10 +144,17 @@ def start_from_fp32_checkpoint(run_dir: Path, model_dir: Path, vocab: int, pad_i
              "decoder.layers.0.mlp.linear_fc2.weight": "model.layers.0.mlp.down_proj.weight",
              "decoder.layers.0.self_attention.linear_proj.weight": "model.layers.0.self_attn.o_proj.weight"}
     exact = [n for n, hf in pairs.items() if not torch.equal(checkpoint[hf], checkpoint[hf].bfloat16().float())]
+    ppo_cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "cpu_tiny.yaml",
+                          [f"run.out_dir={run_dir / 'fp32_checkpoint_ppo'}", "trainer.algorithm=ppo",
+                           "model.dtype=bfloat16", *SETTINGS])
+    value_main = main_weights(LearnerState.build(ppo_cfg, build_plan(ppo_cfg), model_dir, layout, pad_id), "value")
     learner.step(synthetic_batch(vocab, 16, 4, PROMPT_TOKENS["tiny"], 48, seed=first_seed), 0, updates=1)
     after = model_weights(learner)
     return {"not_bf16_exact": exact,
             "main_is_checkpoint": all(torch.equal(main[n][:checkpoint[hf].shape[0]], checkpoint[hf]) for n, hf in pairs.items()),
+            "value_trunk_main_is_checkpoint": all(torch.equal(value_main[n][:checkpoint[hf].shape[0]], checkpoint[hf])
+                                                  for n, hf in pairs.items()),
+            "value_head_main_is_zero": bool((value_main["output_layer.weight"] == 0).all()),
             "copy_is_rounded_checkpoint": all(torch.equal(copy[n][:checkpoint[hf].shape[0]], checkpoint[hf].bfloat16())
                                               for n, hf in pairs.items()),
             "copy_changed_fraction": sum((after[n] != copy[n]).sum().item() for n in copy) / sum(t.numel() for t in copy.values())}
