@@ -113,6 +113,8 @@ def test_main_weights_start_from_the_checkpoints_values_not_their_bf16_rounding(
     assert len(start["not_bf16_exact"]) == 3, start  # the embedding and two linear weights are not on the grid
     assert start["main_is_checkpoint"] and start["copy_is_rounded_checkpoint"], start
     assert start["value_trunk_main_is_checkpoint"] and start["value_head_main_is_zero"], start  # PPO's value model
+    # stored in bf16 (LLaMA's), the checkpoint is not read a second time: its values are the params'
+    assert start["main_weights_set"]["fp32_stored"] > 0 and start["main_weights_set"]["bf16_stored"] == 0, start
     on_grid = parity["rloo"][0]["copy_changed_fraction"]  # the same batch and lr, from the rounded checkpoint
     # measured 0.247 against 0.153 (tiny's many near-zero weights have a bf16 step below one Adam step
     # of lr, so on the grid they change at once too; SmolLM2's first steps changed 0-1.3% of its copy)

@@ -281,13 +281,15 @@ def load_hf_main_weights(model: LearnerModel, optimizer, hf_dir: str | os.PathLi
     at a fine-tuning lr takes many steps (docs/real-models.md). From the checkpoint's values the
     rounding boundaries lie anywhere in a step's reach, and the bf16 copy follows the main weights
     in expectation from the first step. For a checkpoint stored in bf16 (LLaMA's) the two
-    are the same. Call after `build_optimizer` (`optimizer` is its ChainedOptimizer); with the
+    are the same, and it is not read again (a 70B checkpoint is 140 GB). Call after `build_optimizer` (`optimizer` is its ChainedOptimizer); with the
     DistributedOptimizer each rank sets its own shard of each main weight. `score_head`: as for
     `load_hf_weights`; a value model from the policy's checkpoint (`model.value_head`) has a zero
     head that checkpoint does not hold, whose main weights are exact already: only its trunk's are set.
     """
     if not any(getattr(p, "main_param", None) is not None for chunk in model.chunks for p in chunk.parameters()):
         return 0  # fp32: no second read of the checkpoint
+    if _stored_in_bf16(hf_dir):
+        return 0
     ranges = {}  # param -> its shard's range in the flattened parameter (the DistributedOptimizer)
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if hasattr(opt, "_get_model_param_range_map"):
@@ -305,6 +307,15 @@ def load_hf_main_weights(model: LearnerModel, optimizer, hf_dir: str | os.PathLi
         main.copy_(shard.reshape(main.shape))
         count += 1
     return count
+
+
+def _stored_in_bf16(hf_dir: str | os.PathLike) -> bool:
+    """Whether every tensor of the checkpoint is stored in bf16 (headers only)."""
+    for f in set(_safetensors_files(Path(hf_dir)).values()):
+        with safe_open(str(f), framework="pt") as fh:
+            if any(fh.get_slice(name).get_dtype() != "BF16" for name in fh.keys()):
+                return False
+    return True
 
 
 def _hf_shards(model: LearnerModel, hf_dir: str | os.PathLike, head: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

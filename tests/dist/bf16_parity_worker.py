@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from megatron_async.bench.learner import PROMPT_TOKENS, synthetic_batch
 from megatron_async.config import load_config
+from megatron_async.learner.mapping import load_hf_main_weights
 from megatron_async.learner.model import unwrap_model
 from megatron_async.learner.parallel import init_parallel
 from megatron_async.models.base_model import load_tokenizer, tiny_spec
@@ -132,7 +134,9 @@ def start_from_fp32_checkpoint(run_dir: Path, model_dir: Path, vocab: int, pad_i
     """A bf16 learner built from the checkpoint before its rounding (tiny's init is fp32, as SmolLM2's
     export): are its main weights the checkpoint's values, its bf16 copy their rounding, and what
     fraction of the copy its first RLOO step changes (the on-grid start's: `run`'s step 0). And a
-    PPO learner's value model, from the same checkpoint: its trunk's main weights too."""
+    PPO learner's value model, from the same checkpoint: its trunk's main weights too. And how many
+    main weights `load_hf_main_weights` sets from it, and from its copy stored in bf16 (none: the
+    bf16 parameters hold its values already, and the checkpoint is not read again)."""
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "cpu_tiny.yaml",
                       [f"run.out_dir={run_dir / 'fp32_checkpoint'}", "trainer.algorithm=rloo", "model.dtype=bfloat16",
                        *SETTINGS])
@@ -148,9 +152,15 @@ def start_from_fp32_checkpoint(run_dir: Path, model_dir: Path, vocab: int, pad_i
                           [f"run.out_dir={run_dir / 'fp32_checkpoint_ppo'}", "trainer.algorithm=ppo",
                            "model.dtype=bfloat16", *SETTINGS])
     value_main = main_weights(LearnerState.build(ppo_cfg, build_plan(ppo_cfg), model_dir, layout, pad_id), "value")
+    bf16_stored = run_dir / "bf16_stored"
+    shutil.copytree(model_dir, bf16_stored)
+    for path in bf16_stored.glob("*.safetensors"):
+        save_file({name: t.bfloat16() for name, t in load_file(path).items()}, path, metadata={"format": "pt"})
+    main_weights_set = {where: load_hf_main_weights(learner.policy.model, learner.policy.optimizer, hf_dir)
+                        for where, hf_dir in (("fp32_stored", model_dir), ("bf16_stored", bf16_stored))}
     learner.step(synthetic_batch(vocab, 16, 4, PROMPT_TOKENS["tiny"], 48, seed=first_seed), 0, updates=1)
     after = model_weights(learner)
-    return {"not_bf16_exact": exact,
+    return {"not_bf16_exact": exact, "main_weights_set": main_weights_set,
             "main_is_checkpoint": all(torch.equal(main[n][:checkpoint[hf].shape[0]], checkpoint[hf]) for n, hf in pairs.items()),
             "value_trunk_main_is_checkpoint": all(torch.equal(value_main[n][:checkpoint[hf].shape[0]], checkpoint[hf])
                                                   for n, hf in pairs.items()),
