@@ -66,7 +66,7 @@ load_torchrun_args() {
 }
 
 # megatron-async stop-plan prints the stop budget every launcher derives from run.stop_deadline_s
-# (STOP_DEADLINE_S, SHUTDOWN_TIMEOUT_S for torchrun, STOP_WARNING_S for SLURM) and LATEST_CHECKPOINT
+# (STOP_DEADLINE_S, STOP_WARNING_S for SLURM; torchrun's --shutdown-timeout is in TORCHRUN_ARGS) and LATEST_CHECKPOINT
 # (empty: nothing saved yet), from the config with its overrides: raise the deadline there, nowhere else.
 # Usage: load_stop_plan CONFIG [overrides...]
 load_stop_plan() {

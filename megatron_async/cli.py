@@ -205,14 +205,13 @@ def _print_placement(cfg, node_rank: int) -> int:
 
 def _print_stop_plan(cfg) -> int:
     """Shell assignments (launch scripts `eval` them): the stop budget every launcher derives from
-    run.stop_deadline_s (run/torchrun.py's stop_budget), and the checkpoint a requeued job resumes from
-    (empty: none saved yet, so it starts fresh)."""
+    run.stop_deadline_s (run/torchrun.py's stop_budget; torchrun's own flags come from torchrun-args),
+    and the checkpoint a requeued job resumes from (empty: none saved yet, so it starts fresh)."""
     from megatron_async.run.checkpoint import latest_checkpoint
     from megatron_async.run.torchrun import stop_budget
 
     budget = stop_budget(cfg.run)
     print(f"STOP_DEADLINE_S={budget.deadline_s}")
-    print(f"SHUTDOWN_TIMEOUT_S={budget.shutdown_timeout_s}")  # torchrun --shutdown-timeout
     print(f"STOP_WARNING_S={budget.warning_lead_s}")  # the SLURM scripts' USR1 before the time limit
     print(f"LATEST_CHECKPOINT={shlex.quote(str(latest_checkpoint(cfg) or ''))}")
     print(f"RUN_DIR={shlex.quote(str(cfg.run_dir))}")

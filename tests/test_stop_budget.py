@@ -38,7 +38,7 @@ def test_stop_plan_prints_the_budget_and_the_checkpoint_to_resume(tmp_path, caps
     args = ["stop-plan", CFG, f"run.out_dir={tmp_path}", "run.name=r", "run.stop_deadline_s=500"]
     assert cli_main(args) == 0
     fresh = capsys.readouterr().out
-    assert "STOP_DEADLINE_S=500\nSHUTDOWN_TIMEOUT_S=560\nSTOP_WARNING_S=560\nLATEST_CHECKPOINT=''\n" in fresh
+    assert "STOP_DEADLINE_S=500\nSTOP_WARNING_S=560\nLATEST_CHECKPOINT=''\n" in fresh
     (tmp_path / "r" / "checkpoints").mkdir(parents=True)
     (tmp_path / "r" / "checkpoints" / "latest").write_text("step_000010\n")
     assert cli_main(args) == 0
