@@ -74,6 +74,21 @@ def tracker_at(uri: str) -> NullTracker:
     return tracker
 
 
+def test_a_run_s_last_line_survives_a_terminal_pipe_that_is_gone(fresh_logging, tmp_path):
+    """`megatron-async train ... 2>&1 | tee`, interrupted by Ctrl-C: tee is gone before the run
+    says how it ended. `say` keeps the line in the log file and raises nothing (the run keeps its
+    exit status), and the stream goes to /dev/null from then on."""
+    logs.setup_logging("INFO", rank=0)
+    logs.attach_log_file(tmp_path / "train.log")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader (tee) is gone
+    with open(write_end, "w") as stream:
+        logs.say("megatron-async: interrupted (Ctrl-C)", stream)
+        assert os.path.samestat(os.fstat(stream.fileno()), os.stat(os.devnull))
+        logs.say("a second line", stream)  # and later writes raise nothing either
+    assert "megatron-async: interrupted (Ctrl-C)" in (tmp_path / "train.log").read_text()
+
+
 def test_run_summary_names_metric_wall_time_and_where_things_are(tmp_path):
     cfg = load_config(None, [f"run.out_dir={tmp_path}", "run.name=r", "trainer.algorithm=rloo", "trainer.steps=30"])
     uri = f"sqlite:///{tmp_path}/r/mlflow.db"

@@ -8,9 +8,10 @@ default) and other libraries' at WARNING and above; megatron-core's INFO output 
 the DDP bucket listing) and every Python `warnings` warning (captured: "Transformer Engine and
 Apex are not installed", deprecations, ...) go to the log file only. The file gets every record at
 INFO and above (DEBUG with level=DEBUG) from every logger; records logged before it is attached are
-buffered and written first, so it also holds the start-up. Progress bars (tqdm) and results
-(`print`) are not logging: they stay on the terminal. Non-zero ranks log warnings and above only on
-the console and write `train.rank<N>.log`.
+buffered and written first, so it also holds the start-up. Progress bars (tqdm) are not logging:
+they stay on the terminal; so are results and a run's last line (`say`: printed as they are, and
+copied to the log file). Non-zero ranks log warnings and above only on the console and write
+`train.rank<N>.log`.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TextIO
 
 OWN = "megatron_async"
 FORMAT = "%(asctime)s %(levelname).1s [rank{rank}] %(name)s: %(message)s"
@@ -123,6 +125,23 @@ def attach_log_file(path: str | os.PathLike) -> Path:
     root.addHandler(handler)
     _state["file"] = handler
     return path
+
+
+def say(text: str, stream: TextIO | None = None) -> None:
+    """Print `text` (default: to stdout) as it is, not as a log record, and copy it to the log file.
+
+    A terminal pipe whose reader is gone costs the printed copy only: `megatron-async train ...
+    2>&1 | tee out.log` interrupted by Ctrl-C loses its tee first, and the run must still end with
+    its own exit status, not a BrokenPipeError. That stream then goes to /dev/null, as Python's
+    documentation advises (the interpreter's flush at exit would fail the same way)."""
+    stream = stream or sys.stdout
+    if _state["file"] is not None:
+        _state["file"].handle(logging.makeLogRecord({"name": OWN, "levelno": logging.INFO, "levelname": "INFO",
+                                                    "msg": text}))
+    try:
+        print(text, file=stream, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 
 
 def log_file() -> Path | None:

@@ -21,7 +21,7 @@ import psutil
 
 from megatron_async.config import Config
 from megatron_async.io_utils import atomic_write_text
-from megatron_async.observability.logs import log_file
+from megatron_async.observability.logs import log_file, say
 from megatron_async.observability.plots import plot_training
 from megatron_async.observability.tracking import Tracker
 from megatron_async.run import TRAIN_STARTED_ENV
@@ -96,8 +96,8 @@ class StepReport:
         paired = None
         if before is not None and after is not None and EVAL_METRIC[cfg.reward.kind] == "pass@1":
             paired = paired_test(*(json.loads((run_dir / f"eval_{tag}.json").read_text()) for tag in ("before", "after")))
-        print(run_summary(cfg, n_eval, before, after, wall_s=_command_seconds(), png=png, checkpoint=checkpoint,
-                          tracker=self.tracker, log_path=log_file(), paired=paired, resumed_at=resumed_at), flush=True)
+        say(run_summary(cfg, n_eval, before, after, wall_s=_command_seconds(), png=png, checkpoint=checkpoint,
+                        tracker=self.tracker, log_path=log_file(), paired=paired, resumed_at=resumed_at))
 
 
 def _command_seconds() -> float | None:

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_async.config import Config
+from megatron_async.observability.logs import say
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ def exit_status(ended: Stopped | KeyboardInterrupt | Exception | None, cfg: Conf
     if ended is None:
         return 0
     if int(os.environ.get("RANK", 0)) == 0:
-        print(f"megatron-async: {_how_it_ended(ended, cfg, resume, last_checkpoint)}", file=sys.stderr)
+        say(f"megatron-async: {_how_it_ended(ended, cfg, resume, last_checkpoint)}", sys.stderr)
     if isinstance(ended, KeyboardInterrupt):
         return EXIT_INTERRUPTED
     if isinstance(ended, Stopped):
