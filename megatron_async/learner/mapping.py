@@ -36,7 +36,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Literal
 
 import torch
 import torch.distributed as dist
@@ -81,6 +81,9 @@ TOP_RULES = {
 _TIED_OUTPUT = Rule((EMBED,), 0, "vocab")
 SCORE = "score.weight"
 _SCORE_HEAD = Rule((SCORE,), None)
+# Which output layer a model's HF tensors have (`_named_rules`): the LM head (or the tied embedding),
+# a value head's `score.weight`, or none (a value model's zero head, from the policy's checkpoint).
+Head = Literal["lm", "score", "none"]
 
 
 # ---- the layout arithmetic (the only copy) -------------------------------------------------------
@@ -226,10 +229,9 @@ def validate_hf_checkpoint(hf_dir: str | os.PathLike, arch: LlamaArch | None = N
     return files
 
 
-def _named_rules(chunk, arch: LlamaArch, head: str = "lm") -> Iterator[tuple[str, torch.nn.Parameter, Rule, str]]:
-    """(megatron name, param, rule, HF prefix) for every parameter of a model chunk. `head`: "lm"
-    (the LM head, or the tied embedding); "score" (a value head, mapped to `score.weight`); "none"
-    (a value head no checkpoint holds: left out)."""
+def _named_rules(chunk, arch: LlamaArch, head: Head = "lm") -> Iterator[tuple[str, torch.nn.Parameter, Rule, str]]:
+    """(megatron name, param, rule, HF prefix) for every parameter of a model chunk whose HF tensor
+    the checkpoint holds (`head`: `Head`)."""
     model = _unwrap(chunk)
     layer_params = set()
     for layer in model.decoder.layers:
@@ -280,11 +282,12 @@ def load_hf_main_weights(model: LearnerModel, optimizer, hf_dir: str | os.PathLi
     forward reads then changes only once an element has moved half a bf16 step the same way, which
     at a fine-tuning lr takes many steps (docs/real-models.md). From the checkpoint's values the
     rounding boundaries lie anywhere in a step's reach, and the bf16 copy follows the main weights
-    in expectation from the first step. For a checkpoint stored in bf16 (LLaMA's) the two
-    are the same, and it is not read again (a 70B checkpoint is 140 GB). Call after `build_optimizer` (`optimizer` is its ChainedOptimizer); with the
-    DistributedOptimizer each rank sets its own shard of each main weight. `score_head`: as for
-    `load_hf_weights`; a value model from the policy's checkpoint (`model.value_head`) has a zero
-    head that checkpoint does not hold, whose main weights are exact already: only its trunk's are set.
+    in expectation from the first step. For a checkpoint stored in bf16 (LLaMA's) the two are the
+    same, and it is not read again (a 70B checkpoint is 140 GB). Call after `build_optimizer`
+    (`optimizer` is its ChainedOptimizer); with the DistributedOptimizer each rank sets its own
+    shard of each main weight. `score_head`: as for `load_hf_weights`; a value model from the
+    policy's checkpoint (`model.value_head`) has a zero head that checkpoint does not hold, whose
+    main weights are exact already: only its trunk's are set.
     """
     if not any(getattr(p, "main_param", None) is not None for chunk in model.chunks for p in chunk.parameters()):
         return 0  # fp32: no second read of the checkpoint
@@ -297,7 +300,7 @@ def load_hf_main_weights(model: LearnerModel, optimizer, hf_dir: str | os.PathLi
                 for param in group:
                     ranges[param] = opt._get_model_param_range_map(param)["param"]
     count = 0
-    head = "score" if score_head else "none" if model.value_head else "lm"
+    head: Head = "score" if score_head else "none" if model.value_head else "lm"
     for param, shard in _hf_shards(model, hf_dir, head):
         main = getattr(param, "main_param", None)
         if main is None:
@@ -318,7 +321,7 @@ def _stored_in_bf16(hf_dir: str | os.PathLike) -> bool:
     return True
 
 
-def _hf_shards(model: LearnerModel, hf_dir: str | os.PathLike, head: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _hf_shards(model: LearnerModel, hf_dir: str | os.PathLike, head: Head) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(parameter, this rank's shard of it as the checkpoint stores it) for every parameter of this
     rank's chunks the checkpoint holds (`head`: as for `_named_rules`), after checking names and
     shapes (`load_hf_weights`)."""

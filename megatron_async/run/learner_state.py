@@ -109,7 +109,7 @@ class LearnerState:
             load_hf_main_weights(value.model, value.optimizer, value_init, score_head=value_from_rm)
         trainable = Trainable(*build_optimizer(policy, settings))
         if load_hf_main_weights(trainable.model, trainable.optimizer, init_model) and layout.rank == 0:
-            log.info("learner: fp32 main weights from the checkpoints' own values, not from their bf16 rounding")
+            log.info("learner: fp32 main weights from %s's own values, not from their bf16 rounding", init_model)
         return cls(cfg, layout, algorithm, trainable, reference, value, pad_id)
 
     # -- algorithms.LearnerModels: the forward passes a batch's preparation asks for ---------------
