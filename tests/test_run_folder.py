@@ -6,7 +6,8 @@ Fast tier: the lock's rules in-process (this process's own pid is a live holder;
 kernel's pid_max is one that is gone; pid 1 with a start time before its own is a reused pid).
 Integration: real `megatron-async train` runs: two launches at once, a rerun without --resume, and
 a run SIGKILLed while it holds the folder, whose successor is started as launch/quickstart.sh
-starts it (a shell execs it) and counts its wall time from the command's start
+starts it (a shell execs it) and counts its wall time from the command's start; a command that
+relaunched itself under torchrun, SIGKILLed: its torchrun holds the folder until it has ended
 (tests/test_multinode.py checks that only rank 0 of a two-node job takes the folder).
 """
 from __future__ import annotations
@@ -22,12 +23,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from megatron_async.config import ConfigError, load_config
 from megatron_async.run.checkpoint import checkpoint_problem, latest_checkpoint
 from megatron_async.run.preflight import preflight
-from megatron_async.run.run_lock import LOCK_FILE, LockHolder, RunLock
+from megatron_async.run.run_lock import LOCK_FILE, LockHolder, RunLock, check_not_in_use
 from tests.e2e_utils import REPO, RLOO, assert_trained, coin_flip_data, train, train_command
 
 GONE_PID = 2**22 + 1  # above the largest pid_max Linux allows: no process has it
@@ -70,6 +72,26 @@ def test_a_lock_whose_process_is_gone_is_taken_over_with_one_line(tmp_path, capl
         lock.release()
     (cfg.run_dir / LOCK_FILE).write_text("{\"host\": ")  # a write cut short: names no process
     RunLock.take(cfg).release()
+
+
+def test_a_lock_is_held_while_the_torchrun_it_names_runs_after_its_command_is_gone(tmp_path, caplog):
+    """A relaunching command SIGKILLed: its torchrun (here: this process) may still train."""
+    cfg = load_config(None, [f"run.out_dir={tmp_path}"])
+    lock = RunLock.take(cfg)
+    lock.name_torchrun(os.getpid())
+    named = json.loads((cfg.run_dir / LOCK_FILE).read_text())
+    assert named["pid"] == os.getpid() and named["torchrun_pid"] == os.getpid()
+    lock.release()  # the holder it wrote last is still its own
+    assert not (cfg.run_dir / LOCK_FILE).exists()
+
+    write_lock(cfg.run_dir, pid=GONE_PID, torchrun_pid=os.getpid(), torchrun_started=psutil.Process().create_time())
+    with pytest.raises(ConfigError, match=rf"in use by another run \(pid {GONE_PID} \(its torchrun: pid {os.getpid()}\) "
+                                          rf"on {socket.gethostname()}, started .*\); wait for it to finish or stop it"):
+        RunLock.take(cfg)
+    write_lock(cfg.run_dir, pid=GONE_PID, torchrun_pid=os.getpid(), torchrun_started=100.0)  # a reused torchrun pid
+    with caplog.at_level("WARNING", logger="megatron_async.run.run_lock"):
+        RunLock.take(cfg).release()
+    assert "taking over the lock of a run that is gone" in caplog.text
 
 
 def test_a_lock_from_another_host_is_refused_naming_the_file_to_remove(tmp_path):
@@ -233,3 +255,33 @@ def test_a_lock_left_by_a_sigkilled_run_is_taken_over_with_one_line(tmp_path, da
     # the summary's wall time is the train command's (to 0.1 min), without the shell's seconds before it
     wall = re.search(r"wall time: ([\d.]+) min \(since the train command started\)", out)
     assert wall and float(wall[1]) * 60 <= elapsed - SHELL_S + 3, (wall and wall[0], elapsed)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_relaunched_run_whose_command_is_sigkilled_ends_and_holds_its_folder_till_then(tmp_path, data):
+    """`train ... parallel.tp=2` relaunches itself under torchrun; its command SIGKILLed mid-run, the
+    folder stays held while torchrun runs (held still here: SIGSTOP), and torchrun, its two ranks and
+    the replicas then end on their own."""
+    run_dir = tmp_path / "cpu_tiny"
+    cfg = load_config(str(REPO / "configs" / "cpu_tiny.yaml"), [f"run.out_dir={tmp_path}"])
+    with session(train_command(tmp_path, *data, *RUN, "trainer.steps=50", "parallel.tp=2"), tmp_path / "tp2.log") as proc:
+        deadline = time.monotonic() + 600
+        while not (run_dir / "checkpoints" / "latest").exists():  # a step trained, with the replicas up
+            assert proc.poll() is None, (tmp_path / "tp2.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "no checkpoint after 600 s"
+            time.sleep(0.5)
+        holder = json.loads((run_dir / LOCK_FILE).read_text())
+        assert holder["pid"] == proc.pid
+        torchrun = psutil.Process(holder["torchrun_pid"])
+        run = [torchrun, *torchrun.children(recursive=True)]
+        assert len(torchrun.children()) == 2, run  # the ranks
+        torchrun.suspend()
+        proc.kill()
+        proc.wait(timeout=60)
+        with pytest.raises(ConfigError, match=rf"in use by another run \(pid {proc.pid} \(its torchrun: pid {torchrun.pid}\)"):
+            check_not_in_use(cfg)
+        torchrun.resume()  # the SIGTERM its launcher's death sent is delivered now
+        _, alive = psutil.wait_procs(run, timeout=300)
+        assert not alive, alive
+    check_not_in_use(cfg)  # the lock is stale now: the next run takes it over

@@ -1,13 +1,19 @@
 """Stopping a run (run/stop.py) in-process: the signal logic, the loop's stop at a step boundary
 (the fakes of tests/test_trainer_loop.py), and the /dev/shm sweep (weights/host_memory.py). No process
-starts but one fork (integration); tests/test_stop_e2e.py sends the signals to real runs."""
+starts but one fork and a launcher's torchrun stand-in (integration); tests/test_stop_e2e.py sends the
+signals to real runs."""
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from megatron_async.run.stop import DUPLICATE_WINDOW_S, Stopped, StopSignals
@@ -101,6 +107,54 @@ def test_a_process_forked_while_the_signals_are_listened_to_ignores_the_stop_sig
         stop.uninstall()
     assert os.waitstatus_to_exitcode(status) == 0  # 1: the inherited handler recorded a stop; -15: SIGTERM killed it
     assert stop.signal is None  # the child's signals were its own
+
+
+LAUNCHER = """
+import os, sys
+from pathlib import Path
+from megatron_async.run.stop import run_forwarding_signals
+out = Path(sys.argv[1])
+sys.exit(run_forwarding_signals([sys.executable, "-c", sys.argv[2], str(out)], dict(os.environ),
+                                started=lambda pid: (out / "torchrun.pid").write_text(str(pid))))
+"""
+TORCHRUN = """
+import signal, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+def term(signum, frame):
+    (out / "got").write_text(signal.Signals(signum).name)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+(out / "ready").write_text("")
+time.sleep(300)
+"""
+
+
+@pytest.mark.integration  # a launcher process and the torchrun stand-in it starts
+def test_the_torchrun_of_a_launcher_killed_with_sigkill_gets_sigterm(tmp_path):
+    """Nothing forwards signals once the launcher is gone: torchrun must stop its ranks itself."""
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path), textwrap.dedent(TORCHRUN)])
+    torchrun = None
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ready").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline, "the stand-in never started"
+            time.sleep(0.1)
+        torchrun = int((tmp_path / "torchrun.pid").read_text())  # what the lock names (`started`)
+        launcher.kill()
+        launcher.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "got").exists():
+            assert time.monotonic() < deadline, "torchrun got no signal when its launcher died"
+            time.sleep(0.1)
+        assert (tmp_path / "got").read_text() == "SIGTERM"
+        while psutil.pid_exists(torchrun) and psutil.Process(torchrun).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "torchrun outlived its launcher"
+            time.sleep(0.1)
+    finally:
+        launcher.kill()
+        if torchrun is not None and psutil.pid_exists(torchrun):  # this test failed: no stand-in left behind
+            os.kill(torchrun, signal.SIGKILL)
 
 
 # -- the loop ---------------------------------------------------------------------------------------

@@ -70,7 +70,8 @@ def _launch(cfg: Config, config_path: str, overrides: list[str], ranks: int, rel
     if relaunch:
         train_args = [config_path, *overrides, *(["--resume"] if cfg.run.resume else [])]
         cmd = [sys.executable, *torchrun_args(cfg, train_args, nproc_per_node=ranks)]
-        return run_forwarding_signals(cmd, env={**os.environ, CHECKED_ENV: "1"})
+        assert lock is not None  # the relaunching command is the one that starts rank 0
+        return run_forwarding_signals(cmd, env={**os.environ, CHECKED_ENV: "1"}, started=lock.name_torchrun)
 
     log_path = attach_log_file(cfg.run_dir / "train.log")  # library warnings, megatron's config dumps: file only
     log.info("run %s in %s (full log: %s); building the learner and replicas...", cfg.run.name, cfg.run_dir, log_path)

@@ -11,10 +11,12 @@ this process's.
 Who takes it (run/launch.py): one process per run, the one that starts learner rank 0:
 `megatron-async train` itself when it relaunches under torchrun (before torchrun starts), or else
 learner rank 0 (a one-rank run; under a torchrun started by launch/*.sh, on whichever node holds
-rank 0). The other ranks, and the ranks the command relaunches, never touch it.
+rank 0). The other ranks, and the ranks the command relaunches, never touch it. A relaunching
+command names its torchrun in the lock (`name_torchrun`): should the command die first (SIGKILL),
+the folder stays held until torchrun and its ranks have ended too (run/stop.py stops them then).
 
 Stale locks: a lock written on this host whose pid runs no more, or runs a process started after
-the lock was taken (a reused pid), is taken over with one warning line; so is one written by an
+the lock was taken (a reused pid), and whose torchrun, if it names one, runs no more, is taken over with one warning line; so is one written by an
 earlier attempt of this SLURM job (a requeued job keeps its SLURM_JOB_ID, and SLURM ends the earlier
 attempt's processes first), on any host. Any other lock written on another host is never judged
 stale: whether its pid runs cannot be seen from here, so it is refused naming that host, pid and
@@ -33,12 +35,13 @@ import shlex
 import socket
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import psutil
 
 from megatron_async.config import Config, ConfigError
+from megatron_async.io_utils import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +56,26 @@ class LockHolder:
     started: float  # time.time() when the lock was taken
     command: str
     slurm_job: str = ""  # "<SLURM_JOB_ID>:<SLURM_RESTART_COUNT>" under SLURM, else ""
+    torchrun_pid: int = 0  # the torchrun this process started (0: none)
+    torchrun_started: float = 0.0  # that process's start time (psutil's create_time)
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(self.started))
         job = f", SLURM job {self.slurm_job.replace(':', ' attempt ')}" if self.slurm_job else ""
-        return f"pid {self.pid} on {self.host}{job}, started {when}: {self.command}"
+        torchrun = f" (its torchrun: pid {self.torchrun_pid})" if self.torchrun_pid else ""
+        return f"pid {self.pid}{torchrun} on {self.host}{job}, started {when}: {self.command}"
 
     def is_gone(self) -> bool:
-        """On this host only (the caller checks): its pid runs no more, or runs a later process."""
+        """On this host only (the caller checks): its pid runs no more, or runs a later process
+        (a reused pid), and so does its torchrun's, if it names one."""
         try:
-            return psutil.Process(self.pid).create_time() > self.started + 1.0  # a reused pid
+            holder_gone = psutil.Process(self.pid).create_time() > self.started + 1.0
+        except psutil.NoSuchProcess:
+            holder_gone = True
+        if not (holder_gone and self.torchrun_pid):
+            return holder_gone
+        try:
+            return abs(psutil.Process(self.torchrun_pid).create_time() - self.torchrun_started) > 1.0
         except psutil.NoSuchProcess:
             return True
 
@@ -151,6 +164,13 @@ class RunLock:
             os.close(folder)  # releases the flock
         log.info("run folder %s taken by this run (%s; %s)", run_dir, me.describe(), path)
         return cls(path, me)
+
+    def name_torchrun(self, pid: int) -> None:
+        """Name the torchrun this process has started (`pid`) in the lock file: the folder stays
+        held while it runs, should this process die before it."""
+        holder = replace(self.holder, torchrun_pid=pid, torchrun_started=psutil.Process(pid).create_time())
+        atomic_write_text(self.path, json.dumps(asdict(holder)))
+        self.holder = holder
 
     def release(self) -> None:
         """Remove the lock file if it is still this process's (idempotent)."""

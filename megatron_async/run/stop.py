@@ -32,10 +32,13 @@ the writes of the save it serves to finish; the rank decides when to stop.
 The launcher's side (`run/launch.py`): a run's last line on rank 0 says how it ended, what was
 saved and the command that continues it (`exit_status`, `resume_command`). A launcher that
 relaunched itself under torchrun forwards the signals it receives to the ranks and reports their
-stop as its own exit status (`run_forwarding_signals`).
+stop as its own exit status (`run_forwarding_signals`); killed itself (SIGKILL), it takes them
+with it: torchrun gets SIGTERM from the kernel then (PR_SET_PDEATHSIG), and stops its ranks as
+for any SIGTERM it receives (SIGTERM, then SIGKILL after its shutdown timeout).
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shlex
@@ -62,6 +65,7 @@ EXIT_REQUEUE = 75  # sysexits.h EX_TEMPFAIL: the run saved its place and can be 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 DUPLICATE_WINDOW_S = 2.0  # one signal fanned out by several senders arrives within milliseconds
+PR_SET_PDEATHSIG = 1  # linux/prctl.h: the signal a process gets when its parent dies
 
 
 @dataclass(frozen=True)
@@ -190,16 +194,27 @@ def resume_command(config_path: str, overrides: list[str]) -> str:
     return shlex.join(["megatron-async", "train", config_path, *kept, "--resume"])
 
 
-def run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> int:
-    """Run torchrun; SIGTERM, SIGUSR1 and SIGINT sent to this launcher go to the ranks (torchrun's
-    children; torchrun itself until it has started them). Exit: the ranks' status, or EXIT_REQUEUE
-    when a stop signal was forwarded and the ranks stopped cleanly.
+def run_forwarding_signals(cmd: list[str], env: dict[str, str], started: Callable[[int], None]) -> int:
+    """Run torchrun (`started` gets its pid first); SIGTERM, SIGUSR1 and SIGINT sent to this
+    launcher go to the ranks (torchrun's children; torchrun itself until it has started them).
+    Exit: the ranks' status, or EXIT_REQUEUE when a stop signal was forwarded and the ranks
+    stopped cleanly.
 
     torchrun runs in a process group of its own (its ranks in sessions of their own, torchrun's
     doing), so a signal to this launcher's group (`timeout`, `kill -TERM -PGID`, Ctrl-C) reaches
     the ranks once, through here: torchrun itself, signalled, would stop its agent with an error
-    (exit 1, SignalException) while the ranks still save."""
-    proc = subprocess.Popen(cmd, env=env, process_group=0)
+    (exit 1, SignalException) while the ranks still save. Only should this launcher die is
+    torchrun signalled (SIGTERM, `term_when_parent_dies`): nothing would forward signals then."""
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the child only calls it
+    launcher = os.getpid()
+
+    def term_when_parent_dies() -> None:  # in the child, before torchrun's exec (which keeps it)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != launcher:  # it died before the prctl: no signal will come
+            os._exit(128 + signal.SIGTERM)
+
+    proc = subprocess.Popen(cmd, env=env, process_group=0, preexec_fn=term_when_parent_dies)
+    started(proc.pid)
     forwarded: list[int] = []
 
     def forward(signum, frame):
