@@ -158,3 +158,24 @@ def test_stop_ends_a_waiting_thread():
     assert wait_until(lambda: prod.has(0))
     prod.stop(timeout=5)
     assert not prod._thread.is_alive()
+
+
+def test_a_batch_that_fails_after_a_stop_request_is_the_stop_not_an_error(caplog):
+    """RolloutState.close asks the producer to stop, then stops the replicas: the batch under way
+    fails then (PoolError), which is the stop's doing, logged as such, not the producer failing."""
+    started, replicas_stopped = threading.Event(), threading.Event()
+
+    def make_batch(index):
+        started.set()
+        assert replicas_stopped.wait(60)
+        raise RuntimeError("pool stopped with 4 of 4 prompts unfinished")
+
+    prod = RolloutProducer(make_batch, max_lag=0, last_batch=3).start()
+    assert started.wait(60)
+    prod.request_stop()
+    replicas_stopped.set()
+    with caplog.at_level("INFO", logger="megatron_async.rollout.producer"):
+        prod.stop(timeout=60)
+    assert not prod._thread.is_alive() and prod._error is None
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+    assert "the batch under way ended with the stop (pool stopped" in caplog.text

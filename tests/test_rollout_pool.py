@@ -229,6 +229,40 @@ def test_a_503_from_a_paused_replica_is_retried_not_a_failure(tmp_path):
         assert [c[1] for c in calls].count(GENERATE_ROUTE) == 2
 
 
+def test_a_generation_under_way_ends_when_the_pool_stops(tmp_path):
+    """A run's close stops the replicas before it waits for the producer (run/rollout_state.py): the
+    producer's generation, here on a replica that never answers, then ends with PoolError at once,
+    not at its timeout (600 s)."""
+    asked, release = threading.Event(), threading.Event()
+
+    def answer(method, path):
+        if path == GENERATE_ROUTE:
+            asked.set()
+            release.wait(120)  # no answer while the test runs
+        return 200, ONE_CHOICE if path == GENERATE_ROUTE else {"weight_version": "0"}
+
+    ended: list[BaseException] = []
+
+    def generate(pool: ReplicaPool) -> None:
+        try:
+            pool.generate([[1, 2]], Sampling(n=1, max_tokens=1, logprobs=False), timeout_s=600)
+        except BaseException as e:  # noqa: BLE001 - what ended it is the test's subject
+            ended.append(e)
+
+    with stand_in(answer) as (url, _):
+        try:
+            pool = ReplicaPool(spec(tmp_path), urls=[url], key="k", start_timeout_s=10).start()
+            generating = threading.Thread(target=generate, args=(pool,))
+            generating.start()
+            assert asked.wait(60), "the generate request never reached the replica"
+            pool.stop()
+            generating.join(60)
+            assert not generating.is_alive(), "the generation went on after the pool stopped"
+            assert [f"{type(e).__name__}: {e}" for e in ended] == ["PoolError: pool stopped with 1 of 1 prompts unfinished"]
+        finally:
+            release.set()
+
+
 def test_a_503_from_a_replica_whose_health_fails_is_a_failure(tmp_path):
     """503 with /health failing too (vLLM's answer for a dead engine): the replica is down; with
     max_failures=0 the pool stops, naming it."""

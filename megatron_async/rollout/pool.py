@@ -233,9 +233,10 @@ class ReplicaPool:
             self._changed.notify_all()
 
     def _failed(self, rep: _Replica, reason: str) -> None:
-        """Take `rep` out of dispatch and (if started here) restart it in the background."""
+        """Take `rep` out of dispatch and (if started here) restart it in the background (not once
+        the pool is stopped)."""
         with self._lock:
-            if not rep.up or rep.restarting:
+            if not rep.up or rep.restarting or not self._started:
                 return
             rep.up = False
             rep.failures += 1
@@ -459,6 +460,9 @@ class ReplicaPool:
                                      limits=limits, trust_env=False) as http:
             try:
                 while len(results) < len(prompts):
+                    if not self._started:
+                        raise PoolError(f"pool stopped with {len(prompts) - len(results)} of {len(prompts)} prompts "
+                                        "unfinished")
                     while pending and (rep := self._pick(sampling.n)) is not None:
                         i = pending.popleft()
                         seed = None if sampling.seed is None else sampling.seed + i * sampling.n

@@ -147,10 +147,14 @@ class RolloutProducer:
         with self._cond:
             return [self._ready[i] for i in sorted(self._ready)]
 
-    def stop(self, timeout: float = 60.0) -> None:
+    def request_stop(self) -> None:
+        """Admit no further batch; returns at once (`stop` also waits for the thread)."""
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self.request_stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -182,6 +186,9 @@ class RolloutProducer:
                     self._in_flight = None
                     self._cond.notify_all()
         except BaseException as e:  # re-raised in the learner's next call
+            if self._stop.is_set():  # the batch under way, ended by the replicas' stop (RolloutState.close)
+                log.info("rollout producer: the batch under way ended with the stop (%s)", e)
+                return
             log.exception("rollout producer failed")
             with self._cond:
                 self._error = e

@@ -205,9 +205,14 @@ class RolloutState:
             self.running.set_max_lag(self.adaptive_lag.lag)
 
     def close(self) -> None:
+        """Stop the producer, the replicas and the scorer. The replicas stop before the producer is
+        waited for: a generation under way (say one waiting for a replica's restart, the replicas
+        having ended on a signal sent to every process of the job) ends at once, not at its timeout."""
+        if self.producer is not None:
+            self.producer.request_stop()
+        self.pool.stop()
         if self.producer is not None:
             self.producer.stop()
-        self.pool.stop()
         self.scorer.close()
 
 
