@@ -16,11 +16,12 @@ command names its torchrun in the lock (`name_torchrun`): should the command die
 the folder stays held until torchrun and its ranks have ended too (run/stop.py stops them then).
 
 Stale locks: a lock written on this host whose pid runs no more, or runs a process started after
-the lock was taken (a reused pid), and whose torchrun, if it names one, runs no more, is taken over with one warning line; so is one written by an
-earlier attempt of this SLURM job (a requeued job keeps its SLURM_JOB_ID, and SLURM ends the earlier
-attempt's processes first), on any host. Any other lock written on another host is never judged
-stale: whether its pid runs cannot be seen from here, so it is refused naming that host, pid and
-the file to remove once that run is known to be gone (docs/reliability.md).
+the lock was taken (a reused pid), and whose torchrun (if it names one) runs no more either, is
+taken over with one warning line; so is one written by an earlier attempt of this SLURM job (a
+requeued job keeps its SLURM_JOB_ID, and SLURM ends the earlier attempt's processes first), on any
+host. Any other lock written on another host is never judged stale: whether its pid runs cannot
+be seen from here, so it is refused naming that host, pid and the file to remove once that run is
+known to be gone (docs/reliability.md).
 Two launches that find the same stale lock take turns (an flock on the run folder while one
 judges and replaces it), so only one of them takes it over; where the filesystem refuses an flock
 on a folder (NFS), that rare race is not guarded (the O_EXCL create still is).
