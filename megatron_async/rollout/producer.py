@@ -154,6 +154,7 @@ class RolloutProducer:
             self._cond.notify_all()
 
     def stop(self, timeout: float = 60.0) -> None:
+        """`request_stop`, then wait up to `timeout` for the thread (a batch under way ends first)."""
         self.request_stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
