@@ -167,11 +167,14 @@ def stand_in(answer, server_info: dict | None = OUR_SERVER_INFO, scale_out: bool
                 calls.append((method, url.path, url.query))
                 status, body = answer(method, url.path)
             data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):  # the pool gave the request up (stopped)
+                pass
 
         def do_GET(self):
             self.reply("GET")
